@@ -1,10 +1,20 @@
-"""reinforge bench dpo: the CPU smoke run times DPO steps and the reference pass; --trl is for the GPU."""
+"""reinforge bench dpo: the CPU smoke run times DPO steps and the reference pass; --trl is for the GPU.
+
+benchmarks/trl_dpo.py runs as a process of its own forked from a preloaded interpreter (forked_python.py): its
+imports of torch and transformers are done once, not in each of the three runs."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from reinforge.bench import bench_main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import forked_python  # noqa: E402
+
+TRL_DPO = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_dpo.py"
 
 
 @pytest.mark.slow
@@ -57,13 +67,7 @@ def _trl_script_args(tmp_path, *extra: str) -> list[str]:
 @pytest.mark.parametrize("extra", [(), ("--precompute-ref",)], ids=["reference-in-each-step", "precomputed"])
 def test_trls_dpo_script_builds_and_steps_on_the_cpu(tmp_path, extra):
     pytest.importorskip("trl")
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_dpo.py"
-    completed = subprocess.run([sys.executable, str(script), *_trl_script_args(tmp_path, *extra)], check=False,
-                               capture_output=True, text=True, timeout=300)
+    completed = forked_python.run([TRL_DPO, *_trl_script_args(tmp_path, *extra)], timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     best = json.loads((tmp_path / "trl.json").read_text())["best"]
     assert len(best["step_times_s"]) == 3 and best["reference"] == ("precomputed" if extra else "in every step")
@@ -73,14 +77,8 @@ def test_trls_dpo_script_builds_and_steps_on_the_cpu(tmp_path, extra):
 @pytest.mark.slow
 def test_trls_dpo_script_stops_after_the_step_that_passes_its_deadline(tmp_path):
     pytest.importorskip("trl")
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_dpo.py"
-    completed = subprocess.run([sys.executable, str(script), *_trl_script_args(tmp_path, "--deadline-s", "0",
-                                                                               "--checkpointing", "both")],
-                               check=False, capture_output=True, text=True, timeout=300)
+    completed = forked_python.run([TRL_DPO, *_trl_script_args(tmp_path, "--deadline-s", "0", "--checkpointing", "both")],
+                                  timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     runs = json.loads((tmp_path / "trl.json").read_text())["runs"]
     assert len(runs[0]["step_times_s"]) == 1 and runs[0]["stopped_at_deadline"]
