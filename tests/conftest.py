@@ -33,8 +33,8 @@ def _agent_loops_as_they_were():
 
 
 ONE_WORKER = {"tests/controller/test_ray_backend.py": "ray", "tests/controller/test_ray_trainer.py": "ray"}
-"""Files that run in one ``make test`` worker, under one name: they share the session's Ray instance (``ray_cluster``,
-tens of seconds to start on a 2-core machine), which a second worker would start again."""
+"""Files that run in one ``make test`` worker, under one name, one after the other: they share one Ray instance
+(``ray_cluster``, tens of seconds to start on a 2-core machine), which a second worker would start again."""
 
 LONGEST_FIRST = ("ray", "tests/trainer/modes/test_async_mode.py", "tests/trainer/test_rl_trainer_stop_signals.py",
                  "tests/trainer/test_rl_trainer.py", "tests/rollout/test_native_moe_kernels.py",

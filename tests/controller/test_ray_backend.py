@@ -1,6 +1,6 @@
 """The Ray backend on toy workers: dispatch modes, a gloo group, errors from dead and late members.
 
-One Ray instance (4 logical CPUs) serves every Ray test of the session (see ``ray_cluster``);
+One Ray instance (4 logical CPUs) serves every Ray test of this folder (see ``ray_cluster``);
 each group member is an actor holding one CPU, so at most four members run at once.
 """
 

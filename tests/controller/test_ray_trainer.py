@@ -1,7 +1,7 @@
 """GRPO through the Ray backend gives the local backend's metrics, and survives a killed member.
 
-The local run of one config is the reference for both tests; the Ray runs share the session's
-Ray instance (``ray_cluster``). Every member holds one of its four CPUs.
+The local run of one config is the reference for both tests; the Ray runs share the Ray instance
+of this folder's tests (``ray_cluster``). Every member holds one of its four CPUs.
 """
 
 from __future__ import annotations
