@@ -95,9 +95,11 @@ def local_metrics(local_run) -> list[dict]:
 
 def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_critic_pool(
         ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_run, local_metrics):
+    """The actor's pool of two members shards its roles' models; the critic's pool of one member takes each step's
+    samples whole, where the actor's pool splits them in two."""
     config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
                                          **{"trainer.backend": "ray"}))
-    actor_pool, critic_pool = ResourcePool("actor", [2]), ResourcePool("critic", [2])
+    actor_pool, critic_pool = ResourcePool("actor", [2]), ResourcePool("critic", [1])
     placement = RolePlacement({"actor": actor_pool, "critic": critic_pool},
                               {"actor_rollout": "actor", "ref": "actor", "reward": "actor", "critic": "critic"})
     trainer = RLTrainer(config, placement)
@@ -109,7 +111,7 @@ def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_crit
         release_all_pools()
     assert_same_metrics(read_metrics(tmp_path / "run"), local_metrics)
     assert sorted(path.name for path in (tmp_path / "run" / "logs").iterdir()) == ["actor_rank0.log", "actor_rank1.log",
-    "critic_rank0.log", "critic_rank1.log"]
+                                                                               "critic_rank0.log"]
     # the weights rank 0 gathered from the two members' shards are the one-process run's
     torch.testing.assert_close(last_logits(tmp_path / "run"), last_logits(local_run), rtol=1e-4, atol=1e-5)
 
