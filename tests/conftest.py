@@ -44,11 +44,15 @@ LONGEST_FIRST = ("ray", "tests/trainer/modes/test_async_mode.py", "tests/trainer
                  "tests/rollout/test_native_long_decode.py", "tests/trainer/test_run_loop.py",
                  "tests/engine/test_families.py", "tests/rollout/test_native_moe.py", "tests/sandbox/test_server.py",
                  "tests/agent/test_retool_recipe.py", "tests/demo/test_agent_demo.py",
-                 "tests/rollout/native/test_triton_kernels.py", "tests/engine/test_fused.py")
-"""Work units that take the longest (10 s to two minutes each under ``make test``), longest first, handed out first:
-the workers then end within a short file of each other. Loadfile's own order (most tests first) would hand out late
-the files of a few long tests (test_api.py, test_run_loop.py, test_sizes.py), and one of them starting last keeps one
-worker busy alone."""
+                 "tests/rollout/native/test_triton_kernels.py", "tests/engine/test_fused.py",
+                 "tests/rollout/native/test_compile_ahead.py", "tests/trainer/preference/test_preference_ranks.py",
+                 "tests/bench/test_train_long.py", "tests/trainer/test_rl_trainer_skipped_steps.py",
+                 "tests/trainer/preference/test_preference_chain.py")
+"""Work units handed out first, in this order: those that take the longest (10 s to two minutes each under ``make
+test``), longest first, then files of two or three tests that take 4 to 9 s. The workers then end within a short file
+of each other: loadfile's own order (most tests first) would hand out last the files of a few long tests (test_api.py,
+test_run_loop.py, test_sizes.py, test_preference_ranks.py), and one of them starting last keeps one worker busy
+alone."""
 
 
 def pytest_xdist_make_scheduler(config, log):
