@@ -184,6 +184,9 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     check_config(config)  # the rules of reinforge train, except the device checks of preflight
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
+    from reinforge.engine.memory_plan import check_model_config
+
+    check_model_config(config.model.path)  # a config.json train refuses before its model loads, plan refuses too
 
     import torch
 

@@ -52,6 +52,7 @@ from reinforge.engine.memory_plan_splits import split_loads
 from reinforge.engine.micro_batches import split_group
 from reinforge.models.architectures import check_transformers_runs
 from reinforge.models.kv_layout import kv_block_bytes, pool_blocks, window_pool_blocks
+from reinforge.models.loading import read_model_config
 
 GiB = 2**30
 OVERHEAD_BYTES = 3 * GiB
@@ -544,7 +545,8 @@ def check_model_config(path: str) -> None:
     """``check_size_values`` and ``check_routing_and_window`` on the config.json of the local model folder ``path``
     (a hub id, a missing folder or a file that is not JSON pass: the planner or the load names what is wrong), so a
     run whose memory settings are all given is refused before its model loads too; then, on the config transformers
-    builds from it, ``check_transformers_runs`` (a table family's config that transformers loads but cannot run)."""
+    builds from it, ``check_transformers_runs`` (a table family's config that transformers loads but cannot run); a
+    config.json transformers cannot build a config from is refused as the load refuses it (``read_model_config``)."""
     file = Path(path).expanduser() / "config.json"
     try:
         config = json.loads(file.read_text())
@@ -559,8 +561,8 @@ def check_model_config(path: str) -> None:
         config_class = _config_class(given.get("model_type") if isinstance(given.get("model_type"), str) else None)[0]
         try:
             built = config_class.from_dict(given) if config_class is not None else None
-        except Exception:  # noqa: BLE001 (a config the class cannot build: the load names what is wrong)
-            built = None
+        except Exception:  # noqa: BLE001 (a config the class cannot build: transformers' own reading says why)
+            built = read_model_config(path)  # refused in one line where AutoConfig fails too
         if built is not None:
             check_transformers_runs(built)
 

@@ -124,8 +124,8 @@ def _layer_ropes(config, model_type: str) -> list[str]:
     num_layers = config.num_hidden_layers
     if model_type in ("gemma3_text", "gemma3"):
         return ["local" if kind == "sliding_attention" else "global" for kind in config.layer_types]
-    if model_type == "smollm3":
-        return ["global" if uses_rope else "none" for uses_rope in config.no_rope_layers]
+    if model_type == "smollm3":  # transformers reads layer i's entry: entries past the last layer go unread
+        return ["global" if uses_rope else "none" for uses_rope in config.no_rope_layers[:num_layers]]
     return ["global"] * num_layers
 
 
@@ -241,7 +241,8 @@ def check_transformers_runs(config) -> None:
     transformers loads but whose own forward fails: a deepseek_v2 ``topk_method`` its router does not run, a
     DeepSeek MLA config whose ``num_key_value_heads`` divides ``num_attention_heads`` into groups (transformers expands
     the latent into one key and value head per query head, then its eager and SDPA attention repeat them once more
-    per group), and ``sliding_attention`` layers with no window (Qwen's ``use_sliding_window=false`` drops it)."""
+    per group), ``sliding_attention`` layers with no window (Qwen's ``use_sliding_window=false`` drops it) and a SmolLM3
+    ``no_rope_layers`` with fewer entries than layers."""
     model_type = getattr(config, "model_type", None)
     if model_type == "gemma3":
         config, model_type = text_config(config), "gemma3_text"
@@ -259,6 +260,12 @@ def check_transformers_runs(config) -> None:
                              f"then repeats them {heads // kv_heads} times (num_attention_heads // "
                              "num_key_value_heads), so its forward fails on mismatched head counts; set "
                              f"num_key_value_heads to {heads}")
+    no_rope_layers = getattr(config, "no_rope_layers", None) if model_type == "smollm3" else None
+    if no_rope_layers is not None and len(no_rope_layers) < config.num_hidden_layers:
+        raise ValueError(f"{source} lists {len(no_rope_layers)} entries in no_rope_layers for num_hidden_layers="
+                         f"{config.num_hidden_layers}: transformers' SmolLM3 reads one a layer, so it fails building "
+                         "the layers past them; give one entry a layer (1: rotary positions, 0: none), or drop "
+                         "no_rope_layers to derive them from no_rope_layer_interval")
     layer_types = getattr(config, "layer_types", None) or ()
     if (model_type in MASKS_FROM_LAYER_TYPES and "sliding_attention" in layer_types
             and getattr(config, "sliding_window", None) is None):

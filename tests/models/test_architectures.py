@@ -178,3 +178,40 @@ def test_gemma3_multimodal_config_reads_its_text_config():
 
 def test_other_model_types_have_no_table():
     assert architecture_spec(tiny_config("gpt_neox")) is None
+
+
+def test_smollm3_reads_one_no_rope_entry_a_layer_and_a_list_short_of_the_layers_is_refused(tmp_path, capsys):
+    """transformers reads ``no_rope_layers[i]`` for layer i: entries past the last layer go unread, and a list with
+    fewer entries than layers builds no config (its ``layer_types`` are derived from it)."""
+    import json
+
+    from reinforge.cli import main
+    from reinforge.engine.memory_plan import check_model_config
+
+    model = build_tiny_causal_lm("smollm3", vocab_size=64, num_layers=2, no_rope_layers=[0, 1, 1, 0])
+    spec = architecture_spec(model.config)
+    assert [layer.rope for layer in spec.layers] == ["none", "global"]
+    assert [bool(layer.self_attn.use_rope) for layer in model.model.layers] == [False, True]
+
+    config = tiny_config("smollm3", vocab_size=64, num_layers=2).to_dict()
+    config.pop("layer_types")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "no_rope_layers": [1]}))
+    message = (f"model.path={tmp_path}: transformers cannot read its config.json (list index out of range); fix that "
+               f"value in {tmp_path / 'config.json'}, or set model.path to another model")
+    with pytest.raises(ValueError) as refused:
+        check_model_config(str(tmp_path))  # train, SFT and preflight: before the model loads
+    assert str(refused.value) == message
+    assert main(["plan", f"model.path={tmp_path}", "--gpu-memory-gib", "80"]) == 2  # plan refuses it as train does
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+    config["layer_types"] = ["full_attention"] * 2  # layer_types given: transformers builds it, the model fails
+    (tmp_path / "config.json").write_text(json.dumps({**config, "no_rope_layers": [1]}))
+    with pytest.raises(IndexError):
+        build_tiny_causal_lm("smollm3", vocab_size=64, num_layers=2, no_rope_layers=[1],
+                             layer_types=["full_attention"] * 2)
+    with pytest.raises(ValueError) as refused:
+        check_model_config(str(tmp_path))
+    assert str(refused.value) == (
+        "smollm3 config (model.path's config.json) lists 1 entries in no_rope_layers for num_hidden_layers=2: "
+        "transformers' SmolLM3 reads one a layer, so it fails building the layers past them; give one entry a layer "
+        "(1: rotary positions, 0: none), or drop no_rope_layers to derive them from no_rope_layer_interval")
