@@ -562,7 +562,9 @@ def check_model_config(path: str) -> None:
         try:
             built = config_class.from_dict(given) if config_class is not None else None
         except Exception:  # noqa: BLE001 (a config the class cannot build: transformers' own reading says why)
-            built = read_model_config(path)  # refused in one line where AutoConfig fails too
+            # refused in one line where AutoConfig fails too; a folder with its own code (auto_map) is read by the
+            # load, with model.trust_remote_code
+            built = None if "auto_map" in given else read_model_config(path)
         if built is not None:
             check_transformers_runs(built)
 
