@@ -214,7 +214,7 @@ class ActorRolloutWorker(Worker):
         """Policy-gradient update over the batch; returns ``actor/*`` metrics. The step's image embeddings
         (``engine.image_embeddings``) are dropped after it."""
         on_policy = "old_log_probs" not in batch and "proximal_alpha" not in batch
-        first_micro: tuple[torch.Tensor, ...] = ()
+        compared: list[tuple[torch.Tensor, ...]] = []  # every micro-batch's (training, rollout, mask) log-probs
         settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
         recorder = self.router_recorder
@@ -237,9 +237,9 @@ class ActorRolloutWorker(Worker):
                         routed = slots if routed is None else routed + slots
                     loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
                                                self.router_aux_loss_coef)
-                if on_policy and "rollout_log_probs" in micro and not first_micro:
+                if on_policy and "rollout_log_probs" in micro:
                     # compared after the update: reading it back here would stall the device mid-update
-                    first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])
+                    compared.append((log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"]))
                 if forward_only:  # every advantage of these rows is 0: their loss has no gradient
                     update.record(metrics)
                 else:
@@ -247,8 +247,10 @@ class ActorRolloutWorker(Worker):
         result = update.metrics("actor")
         if recorder is not None and routed is not None:  # every rank ran at least one micro-batch: all reach it
             result |= pooled_routing_metrics(routed, "actor")
-        if first_micro:
-            result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro))
+        if compared:  # over every response token of the rank's rows, forward-only ones included
+            training, rollout = (torch.cat([pair[side].float().cpu()[pair[2].bool().cpu()] for pair in compared])
+                                 for side in (0, 1))
+            result |= rollout_mismatch_metrics(training, rollout, torch.ones_like(training, dtype=torch.bool))
         return result | peak_memory_gb(self.device)
 
     # ---- state ----------------------------------------------------------------------

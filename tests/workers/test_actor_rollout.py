@@ -64,6 +64,24 @@ def test_log_probs_do_not_depend_on_the_micro_batch_budget_and_checkpoint_round_
     torch.testing.assert_close(worker.compute_log_prob(batch)["old_log_probs"], whole)
 
 
+def test_an_on_policy_update_compares_every_response_token_with_the_rollouts(tiny_model_dir):
+    """The rollout mismatch of an on-policy update covers every micro-batch's tokens, not its first micro-batch's
+    alone: a gap in the last row's tokens shows in the step's metrics, as it does in compute_log_prob's."""
+    from reinforge.rollout.mismatch import rollout_mismatch_metrics
+
+    worker = ActorRolloutWorker(make_config(tiny_model_dir), total_training_steps=4)  # 12-token micro-batches
+    batch = scored_batch(rows=4)
+    rollout = worker.compute_log_prob(batch)["old_log_probs"].clone()
+    rollout[3, 1] -= 0.5  # the rollout sampled the last row's second token at a probability of its own
+    batch["rollout_log_probs"] = rollout
+    expected = rollout_mismatch_metrics(worker.compute_log_prob(batch)["old_log_probs"], rollout,
+                                        batch["response_mask"])
+    metrics = worker.update_actor(batch)
+    assert metrics["training/rollout_log_probs_diff_max"] == pytest.approx(0.5, abs=1e-4)
+    for key in ("probs_diff_mean", "probs_diff_max", "log_probs_diff_mean", "actor_probs_pearson_corr"):
+        assert metrics[f"training/rollout_{key}"] == pytest.approx(expected[f"training/rollout_{key}"], abs=1e-5)
+
+
 def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
