@@ -28,6 +28,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import DECLARED_ROUTER_AUX_LOSS, Config
 from reinforge.config.sft_schema import SFTConfig
+from reinforge.config.validate import CHOICES
 
 T = TypeVar("T")
 
@@ -302,6 +303,9 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
         try:
             OmegaConf.update(base, dotted, value, merge=not replace)
         except OmegaConfBaseException as error:
+            if dotted in CHOICES:  # null or a list where a word goes: name the words, as for a word of no meaning
+                raise ConfigError(f"{dotted}={value!r} ({source}) is not one of {', '.join(CHOICES[dotted])}"
+                                  ) from error
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}") from error
         if sources is not None:
             sources[dotted] = source

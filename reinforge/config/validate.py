@@ -29,7 +29,25 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 """The values of model.dtype (``models.loading.DTYPES`` and auto)."""
 
 
-def choose(key: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": MODEL_DTYPES,
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.backend": ("local", "ray"),
+    "trainer.mode": ("sync", "one_step_off", "async"),
+    "trainer.proximal": ("recompute", "loglinear"),
+    "rollout.kv_cache_dtype": ("auto", "fp8"),
+    "rollout.decode_products": DECODE_PRODUCTS,
+    "rollout.multi_turn.tool_response_truncate_side": ("middle", "left", "right"),
+    "algorithm.filter_groups.metric": FILTER_METRICS,
+    "reward.combine.mode": COMBINE_MODES,
+    "reward.judge.parse": JUDGE_PARSE_RULES,
+    "reward.remote.protocol": REMOTE_PROTOCOLS,
+}
+"""The values an RL config's text settings take (the loader names them where a value is no text at all)."""
+
+
+def choose(key: str, value: object, choices: tuple[str, ...] | list[str] | None = None) -> None:
+    choices = CHOICES[key] if choices is None else choices
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
 
@@ -102,7 +120,7 @@ def validate_optim(prefix: str, optim: OptimConfig) -> None:
 
 
 def validate_model_dtype(dtype: str) -> None:
-    choose("model.dtype", dtype, MODEL_DTYPES)
+    choose("model.dtype", dtype)
 
 
 
@@ -133,7 +151,7 @@ def validate_run(trainer: RunConfig) -> None:
     if trainer.total_steps is None and trainer.total_epochs < 1:
         raise ConfigError(f"trainer.total_epochs={trainer.total_epochs} must be at least 1 when trainer.total_steps "
                           "is unset")
-    choose("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
+    choose("trainer.device", trainer.device)
     if trainer.save_every < 0 or trainer.test_every < 0:
         raise ConfigError(f"trainer.save_every={trainer.save_every} and trainer.test_every={trainer.test_every} "
                           "must be >= 0 (0: only at the end)")
@@ -214,7 +232,7 @@ def validate_config(config: Config) -> None:
     validate_model_dtype(config.model.dtype)
     if not rollout.name or not isinstance(rollout.name, str):  # which names exist is trainer/preflight.py's check
         raise ConfigError(f"rollout.name={rollout.name!r} is empty; use hf, native or an engine a package adds")
-    choose("trainer.backend", trainer.backend, ("local", "ray"))
+    choose("trainer.backend", trainer.backend)
     validate_run(trainer)
     validate_optim("actor.optim", actor.optim)
     validate_optim("critic.optim", config.critic.optim)
@@ -236,8 +254,7 @@ def validate_config(config: Config) -> None:
                    "default")
 
     multi_turn = rollout.multi_turn
-    choose("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,
-            ("middle", "left", "right"))
+    choose("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side)
     if multi_turn.max_parallel_calls < 1:
         raise ConfigError(f"rollout.multi_turn.max_parallel_calls={multi_turn.max_parallel_calls} must be at least 1")
     if multi_turn.tool_timeout_s is not None:
@@ -328,8 +345,8 @@ def validate_config(config: Config) -> None:
     if rollout.max_prefill_chunk_tokens is not None and rollout.max_prefill_chunk_tokens < 1:
         raise ConfigError(f"rollout.max_prefill_chunk_tokens={rollout.max_prefill_chunk_tokens} must be a positive "
                           "token count (or null: 16384)")
-    choose("rollout.kv_cache_dtype", rollout.kv_cache_dtype, ("auto", "fp8"))
-    choose("rollout.decode_products", rollout.decode_products, DECODE_PRODUCTS)
+    choose("rollout.kv_cache_dtype", rollout.kv_cache_dtype)
+    choose("rollout.decode_products", rollout.decode_products)
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
     for key in ("nnodes", "devices_per_node"):
@@ -343,7 +360,7 @@ def validate_config(config: Config) -> None:
 
 def _check_dapo(config: Config) -> None:
     data, filter_groups, buffer = config.data, config.algorithm.filter_groups, config.reward.overlong_buffer
-    choose("algorithm.filter_groups.metric", filter_groups.metric, FILTER_METRICS)
+    choose("algorithm.filter_groups.metric", filter_groups.metric)
     if filter_groups.max_num_gen_batches < 0:
         raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches={filter_groups.max_num_gen_batches} "
                           "must be 0 (no limit) or more")
@@ -434,8 +451,8 @@ def _validate_algorithm(config: Config) -> None:
 
 def _check_modes(config: Config) -> None:
     trainer, rollout = config.trainer, config.rollout
-    choose("trainer.mode", trainer.mode, ("sync", "one_step_off", "async"))
-    choose("trainer.proximal", trainer.proximal, ("recompute", "loglinear"))
+    choose("trainer.mode", trainer.mode)
+    choose("trainer.proximal", trainer.proximal)
     if trainer.max_staleness < 0:
         raise ConfigError(f"trainer.max_staleness={trainer.max_staleness} must be 0 (on-policy) or more")
     if trainer.trigger_sync_steps < 1:
@@ -466,7 +483,7 @@ def validate_reward_model(config: Config) -> None:
     or URL where it is enabled, sizes that make sense, weights that are numbers, and a pool of its own only where
     there are devices to place it on."""
     reward_model, combine = config.reward.reward_model, config.reward.combine
-    choose("reward.combine.mode", combine.mode, COMBINE_MODES)
+    choose("reward.combine.mode", combine.mode)
     for key in ("rm_weight", "rule_weight", "gate_threshold"):
         _finite(f"reward.combine.{key}", getattr(combine, key))
     enabled = [name for name in ("reward_model", "judge", "remote") if getattr(config.reward, name).enable]
@@ -519,7 +536,7 @@ def validate_judge(judge) -> None:
     if not judge.template:
         raise ConfigError("reward.judge.enable=true but reward.judge.template is not set; pass the judge's prompt "
                           "with {prompt}, {response} and {ground_truth}, or the path of a file holding it")
-    choose("reward.judge.parse", judge.parse, JUDGE_PARSE_RULES)
+    choose("reward.judge.parse", judge.parse)
     if judge.parse == "marker" and not judge.marker:
         raise ConfigError("reward.judge.parse=marker needs reward.judge.marker, the text the score follows "
                           "(e.g. 'Score:')")
@@ -543,7 +560,7 @@ def validate_remote(remote) -> None:
     for url in (part.strip() for part in remote.url.split(",")):
         if url and not url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.remote.url has {url!r}, which is not an http:// or https:// URL")
-    choose("reward.remote.protocol", remote.protocol, REMOTE_PROTOCOLS)
+    choose("reward.remote.protocol", remote.protocol)
     for key in ("batch_size", "max_concurrency"):
         if getattr(remote, key) < 1:
             raise ConfigError(f"reward.remote.{key}={getattr(remote, key)} must be at least 1")

@@ -205,6 +205,10 @@ def test_the_config_names_the_kv_cache_dtypes():
     assert load_config(None, ["rollout.kv_cache_dtype=fp8"]).rollout.kv_cache_dtype == "fp8"
     with pytest.raises(ConfigError, match=r"rollout.kv_cache_dtype='int8' is not one of auto, fp8"):
         load_config(None, ["rollout.kv_cache_dtype=int8"])
+    for value, shown in (("null", "None"), ("[fp8]", r"\['fp8'\]")):  # no word at all: the words are named too
+        with pytest.raises(ConfigError, match=rf"^rollout.kv_cache_dtype={shown} \(command line\) is not one of auto, "
+                                              "fp8$"):
+            load_config(None, [f"rollout.kv_cache_dtype={value}"])
 
 
 @pytest.mark.gpu
