@@ -182,6 +182,9 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     from reinforge.trainer.preflight import check_config
 
     check_config(config)  # the rules of reinforge train, except the device checks of preflight
+    from reinforge.trainer.ineffective_settings import warn_ineffective_settings
+
+    warn_ineffective_settings(config)  # as train warns of them, before the plan
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
     from reinforge.engine.memory_plan import check_model_config
@@ -194,7 +197,7 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
         raise ConfigError(f"trainer.device={config.trainer.device} plans for a GPU, and this machine has none to "
                           "measure; pass --gpu-memory-gib N to plan for a card of N GiB (or trainer.device=cpu)")
     from reinforge.engine.lora import check_target_modules
-    from reinforge.workers.memory_settings import memory_plan
+    from reinforge.workers.memory_settings import memory_plan, native_fallback_reason
 
     if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
         check_target_modules(config.model.lora, config.model.path)
@@ -204,6 +207,11 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
                            "data.max_prompt_length + data.max_response_length",
                            f"the {known.model} shape" if shape_overrides and known.model else None)
+    reason = native_fallback_reason(config)
+    if reason is not None:  # train says so once the model loads; the plan counts the hf backend's memory
+        from reinforge.rollout.native import hf_fallback_notice
+
+        logging.getLogger(__name__).warning(hf_fallback_notice(reason))
     print(memory_plan(config).table())  # MemoryPlanError (a ValueError): one line, exit 2, as train
     return 0
 

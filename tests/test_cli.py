@@ -95,6 +95,23 @@ def test_plan_refusals_are_error_lines_and_its_usage_is_its_own(capsys):
     assert capsys.readouterr().err.splitlines()[-1].startswith("reinforge plan: error: argument --gpu-memory-gib")
 
 
+def test_plan_warns_as_train_does_where_the_native_engine_will_not_run(tmp_path, capsys, caplog):
+    """With rollout.name=hf, or a model the native engine cannot run, train warns that an fp8 cache has no effect or
+    that it falls back to the hf backend; plan said nothing while it counted a native engine's memory."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12,
+                                                          n_head=12, n_positions=1024)))
+    plan = ["plan", f"model.path={tmp_path}", "rollout.kv_cache_dtype=fp8", "--gpu-memory-gib", "80",
+            "trainer.device=cuda"]
+    assert main([*plan, "rollout.name=hf"]) == 0
+    assert ("rollout.kv_cache_dtype=fp8 has no effect: they are settings of the native engine and rollout.name is hf; "
+            "set rollout.name=native, or remove rollout.kv_cache_dtype") in caplog.text
+    caplog.clear()
+    assert main([*plan, "rollout.name=native"]) == 0
+    assert ("rollout.name=native cannot run this model: GPT2LMHeadModel (model_type 'gpt2') has no entry in the "
+            "architecture table") in caplog.text and "rolling out with the hf backend" in caplog.text
+    assert "rollout.free_cache_engine            True       (fixed)" in capsys.readouterr().out
+
+
 def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
     assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
     assert capsys.readouterr().err.strip() == (

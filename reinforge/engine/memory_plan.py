@@ -783,7 +783,11 @@ class RunShape:
     """reward.judge's own model (not the policy) on these devices: its weights stay on each device whole; a
     ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
     kv_cache_dtype: str = "auto"
-    """rollout.kv_cache_dtype: auto (the compute dtype) or fp8 (a byte a value plus a float32 scale per vector)."""
+    """rollout.kv_cache_dtype: auto (the compute dtype) or fp8 (a byte a value plus a float32 scale per vector); auto
+    where the native engine does not run (``native_engine``)."""
+    native_engine: bool = True
+    """The rollout runs on the native engine (rollout.name=native, on a model it runs); another engine (the hf backend)
+    reads neither rollout.kv_cache_dtype nor rollout.gpu_memory_utilization."""
     kv_cache_fraction: float = 0.0
     """rollout.gpu_memory_utilization of the native engine on a GPU: its KV cache takes what the rollout leaves of this
     fraction of the device, up to what its max_num_seqs can use (``rollout.native.engine``'s sizing), not
@@ -1349,7 +1353,8 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                     dataclasses.replace(run, prompts=max(run.prompts // 2, 1))),
                    (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
                     dataclasses.replace(run, num_devices=run.num_devices * 2))]
-        if run.kv_cache_dtype == "auto" and not shape.kv_lora_rank:  # half the KV bytes (docs/long_responses.md)
+        # half the KV bytes (docs/long_responses.md), where the native engine keeps the cache
+        if run.kv_cache_dtype == "auto" and run.native_engine and not shape.kv_lora_rank:
             options.insert(1, ("rollout.kv_cache_dtype=fp8", dataclasses.replace(run, kv_cache_dtype="fp8")))
         if run.kv_cache_fraction:  # the engine's cache fills the device whatever its size
             options.insert(0, ("rollout.gpu_memory_utilization=null (the planner sizes the KV cache)",

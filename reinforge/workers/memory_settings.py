@@ -9,6 +9,7 @@ a user set, logs the plan as a short table, and raises ``MemoryPlanError`` when 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -70,6 +71,7 @@ def run_shape(config: Config) -> RunShape:
     dtype_bytes = 4 if config.model.dtype == "float32" or not on_gpu else 2
     mini_batch = config.actor.mini_batch_size or config.data.train_batch_size
     lora = getattr(config.model, "lora", None)
+    native = native_engine_runs(config)
     return RunShape(prompts=config.data.train_batch_size, samples_per_prompt=config.rollout.n,
                     prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                     num_mini_batches=max(config.data.train_batch_size // mini_batch, 1),
@@ -78,11 +80,50 @@ def run_shape(config: Config) -> RunShape:
                     reference=reference_needed(config), critic=critic_enabled(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora, _model_type(config.model.path)),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
-                    kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")),
+                    # another engine (hf, the native one's fallback, a package's) keeps it in the model dtype
+                    kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")) if native else "auto",
+                    native_engine=native,
                     kv_cache_fraction=float(config.rollout.gpu_memory_utilization or 0.0)
-                    if config.rollout.name == "native" and on_gpu else 0.0,
+                    if native and on_gpu else 0.0,
                     image_tokens=config.data.max_image_tokens or config.data.max_prompt_length,
                     train_vision=not config.actor.freeze_vision_tower)
+
+
+def native_engine_runs(config: Config) -> bool:
+    """Whether the rollout runs on the native engine: rollout.name=native on a model it runs. Only its settings
+    (rollout.kv_cache_dtype, gpu_memory_utilization, kv_cache_gib, free_cache_engine) size the rollout's memory."""
+    return config.rollout.name == "native" and native_fallback_reason(config) is None
+
+
+def native_fallback_reason(config: Config) -> str | None:
+    """Why rollout.name=native rolls out with the hf backend instead: the engine's own ``unsupported_reason``, which
+    ``rollout_side.build_rollout_engine`` asks of the loaded model, asked here of the model built on the meta device
+    from model.path's config. None where rollout.name is not native, where the engine runs the model, or where
+    transformers cannot build it here (the load says why)."""
+    if config.rollout.name != "native" or not config.model.path:
+        return None
+    try:  # the key of the cache: a folder whose config.json changes is asked again
+        config_text = (Path(config.model.path).expanduser() / "config.json").read_text()
+    except OSError:
+        config_text = ""  # a hub id
+    return _unsupported_reason(config.model.path, bool(config.model.trust_remote_code), config_text)
+
+
+@functools.lru_cache(maxsize=16)
+def _unsupported_reason(path: str, trust_remote_code: bool, config_text: str) -> str | None:
+    from reinforge.models.classes import causal_lm_class, named_class
+    from reinforge.models.loading import read_model_config
+    from reinforge.rollout.native import unsupported_reason
+
+    try:
+        model_config = read_model_config(path, trust_remote_code)
+        named = named_class(model_config)
+        with torch.device("meta"):
+            model = (named._from_config(model_config) if named is not None else
+                     causal_lm_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code))
+    except Exception:  # noqa: BLE001 (the load refuses it in its own words)
+        return None
+    return unsupported_reason(model)
 
 
 def _reward_model_shape(config: Config) -> dict[str, Any]:
@@ -149,7 +190,7 @@ def given_settings(config: Config, num_layers: int) -> dict[str, Any]:
     if on_cpu:  # the device is host memory: moving state to the host frees nothing
         for name in ("optimizer_offload", "param_offload", "ref_offload"):
             given.setdefault(name, False)
-    if config.rollout.name != "native":
+    if not native_engine_runs(config):
         given.setdefault("keep_rollout_memory", False)  # only the native engine keeps memory between rollouts
     return given
 
@@ -202,7 +243,7 @@ def _check_kv_cache_holds_one_sequence(config: Config, shape: ModelShape, run: R
     from reinforge.engine.memory_plan import MemoryPlanError, rollout_concurrency
 
     size = given.get("kv_cache_gib")
-    if not size or config.rollout.name != "native" or config.rollout.gpu_memory_utilization is not None:
+    if not size or config.rollout.gpu_memory_utilization is not None or not native_engine_runs(config):
         return
     one = needed_kv_gib(shape, run, share=rollout_concurrency(run.sequences, run.num_devices))
     if size < one:

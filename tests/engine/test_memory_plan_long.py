@@ -137,3 +137,8 @@ def test_a_refused_long_plan_names_the_fp8_kv_cache_where_it_would_fit(capsys):
                  "--host-memory-gib", "1000", "trainer.device=cuda"]) == 2
     error = capsys.readouterr().err
     assert "would fit with rollout.kv_cache_dtype=fp8" in error and "set " not in error.split("would fit")[1][:5]
+    # the hf backend keeps its cache in the model dtype, whatever rollout.kv_cache_dtype says
+    assert main(["plan", "--model", "1.5b", "--prompts", "8", "--response-tokens", "65536", "--gpu-memory-gib", "24",
+                 "--host-memory-gib", "1000", "trainer.device=cuda", "rollout.name=hf"]) == 2
+    error = capsys.readouterr().err
+    assert "would fit with data.max_response_length=32768" in error and "kv_cache_dtype" not in error

@@ -62,6 +62,32 @@ def test_the_table_marks_what_the_run_fixes_apart_from_what_the_user_set(config)
     assert "rollout.free_cache_engine            True       (set)" in memory_plan(config).table()
 
 
+GPT2_SMALL = dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+"""A model the native engine has no table entry for: rollout.name=native rolls it out with the hf backend."""
+
+
+@pytest.mark.parametrize("engine, sizes", [
+    ("hf", QWEN25_1_5B),
+    ("native", GPT2_SMALL),
+    ("native", dict(QWEN25_1_5B, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),  # the engine's rope refused
+])
+def test_an_fp8_cache_is_counted_in_the_model_dtype_where_the_native_engine_does_not_run(config, engine, sizes):
+    """The hf backend, also where rollout.name=native falls back to it, keeps its cache in the model dtype; the plan
+    halved it for rollout.kv_cache_dtype=fp8, and kept it between rollouts (free_cache_engine=False)."""
+    Path(config.model.path, "config.json").write_text(json.dumps(sizes))
+    config.rollout.name = engine
+    kv_cache = {}
+    for dtype in ("auto", "fp8"):
+        config.rollout.kv_cache_dtype = dtype
+        plan = memory_plan(config)
+        kv_cache[dtype] = plan.phases["rollout"]["kv cache"]
+        assert "rollout.free_cache_engine            True       (fixed)" in plan.table()
+    assert kv_cache["fp8"] == kv_cache["auto"] > 20 * GiB
+    Path(config.model.path, "config.json").write_text(json.dumps(QWEN25_1_5B))
+    config.rollout.name = "native"  # the native engine's fp8 cache: a byte a value and its scales
+    assert memory_plan(config).phases["rollout"]["kv cache"] < 0.6 * kv_cache["auto"]
+
+
 PHI3_MINI = dict(model_type="phi3", vocab_size=32064, hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=32, intermediate_size=8192, tie_word_embeddings=False)
 DEEPSEEK_V2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
