@@ -204,7 +204,8 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
 
 def planned_concurrency(config: Config) -> dict[str, int]:
     """Where the memory planner sizes the native engine's cache, the engine's ``max_num_seqs`` it sized it for:
-    one device's sequences of a step (more requests wait their turn)."""
+    one device's sequences of a step (more requests wait their turn; a request of more samples, a validation's
+    rollout.val_kwargs.n, runs them in groups of that many)."""
     if config.rollout.gpu_memory_utilization is not None:
         return {}
     sequences = config.data.train_batch_size * config.rollout.n

@@ -153,6 +153,20 @@ def test_a_prompts_samples_split_over_members_are_the_samples_of_one_member(tiny
     assert len({tuple(row) for row in whole[:3].tolist()}) == 3  # the samples of one prompt differ
 
 
+def test_validation_samples_past_the_engine_sized_for_a_step_are_generated(tiny_model_dir):
+    """The planner sizes the native engine for one device's samples of a step (1 prompt x rollout.n=2: two sequence
+    slots); a validation of rollout.val_kwargs.n=5 asks for five samples of each prompt, which run in groups."""
+    from reinforge.protocol import samples_of
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name, config.data.train_batch_size, config.rollout.n = "native", 1, 2
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    assert worker.rollout_engine.max_num_seqs == 2
+    responses = worker.generate(samples_of(prompt_batch(), 5), SamplingParams(max_tokens=6, temperature=1.0), 7)
+    assert responses["responses"].shape == (10, 6)
+    assert len({tuple(row) for row in responses["responses"][:5].tolist()}) > 1  # each sample its own
+
+
 def test_weights_for_a_separate_rollout_keep_the_routers_transformers_keeps_in_float32():
     """A DeepSeek actor in bfloat16 hands the rollout worker its weights in bfloat16, but for the router weights,
     which transformers (and the rollout copy, ``cast_as_loaded``) keeps in float32: rounded, they route otherwise."""

@@ -94,8 +94,9 @@ class NativeEngine:
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
         KV cache is allocated (the cache gets what weights, optimizer state and a step's activations
         leave of it). num_kv_blocks overrides that sizing (and is needed on the CPU to go beyond
-        max_num_seqs full-length sequences). use_triton defaults to True on CUDA when Triton is
-        installed; enforce_eager turns CUDA graphs off. ``sleep`` hands the memory of the KV cache,
+        max_num_seqs full-length sequences). max_num_seqs: the samples that run at once; a request of
+        more samples runs them in groups of that many, each group prefilled on its own. use_triton
+        defaults to True on CUDA when Triton is installed; enforce_eager turns CUDA graphs off. ``sleep`` hands the memory of the KV cache,
         the weight copies and the graphs back to PyTorch's caching allocator, where the training
         step of the same process reuses it without new device allocations; empty_cache_on_sleep also
         returns it to the device (for other processes sharing the GPU). With free_on_sleep=False,
@@ -457,7 +458,8 @@ class NativeEngine:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
         scheduler = self.scheduler  # None when a failed step of the async driver has just dropped it
-        refusal = scheduler.refusal(len(request.prompt_token_ids), sampling.n) if scheduler is not None else None
+        refusal = scheduler.refusal(len(request.prompt_token_ids), min(sampling.n, self.max_num_seqs)) \
+            if scheduler is not None else None
         if refusal is not None:  # refused here, not inside a step: the engine would keep failing at it
             raise ValueError(f"request {request.request_id!r}: {refusal}")
         problem = sampling_problem(sampling)
@@ -489,9 +491,12 @@ class NativeEngine:
             if state.multimodal is not None:
                 self.runner.multimodal.add(key, state.multimodal)
                 prompt = state.multimodal.key_token_ids  # its image pad tokens named by their images
-            self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, prompt, sampling,
-                                        state.seed, stops, self.max_model_len, num_samples=sampling.n,
-                                        keep_prefix=request.keep_prefix, decode=self.decode))
+            # more samples than sequence slots: admitted in groups of max_num_seqs, each prefilled and forked alone
+            for first in range(0, sampling.n, self.max_num_seqs):
+                self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, first, prompt, sampling, state.seed,
+                                            stops, self.max_model_len,
+                                            num_samples=min(self.max_num_seqs, sampling.n - first),
+                                            keep_prefix=request.keep_prefix, decode=self.decode))
 
     def _step(self, batch_arrivals: bool = False) -> bool:
         """Schedule a step, run it, and read back the steps that are done; False when there was nothing to run.

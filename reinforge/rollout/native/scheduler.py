@@ -3,8 +3,9 @@
 Each step is either a prefill of waiting sequences (first come, first served, while KV blocks,
 sequence slots and the token budget allow) or one decode token for every running sequence.
 A waiting request with n samples is prefilled once and forked into n sequences that share
-its prompt blocks. When a decode step needs a block and none is free, the most recently
-admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
+its prompt blocks (the engine queues a request of more samples than ``max_num_seqs`` as several
+waiting sequences of at most that many). When a decode step needs a block and none is free, the
+most recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
 prompt and generated tokens prefilled again), so the others keep going. Finished sequences
 leave after the step that finished them, and waiting ones join at the next prefill. The samples of a request
 that is aborted (``abort``: its caller stopped waiting) leave at once, waiting or running, their blocks freed. When every layer
@@ -103,17 +104,14 @@ class Scheduler:
         return self._next_seq_id
 
     def add(self, seq: Sequence) -> None:
-        if seq.num_samples > self.max_num_seqs:
-            raise ValueError(self.refusal(seq.num_tokens, seq.num_samples))
+        """Queue ``seq``, which stands for at most ``max_num_seqs`` samples (the engine splits a request of more)."""
+        assert seq.num_samples <= self.max_num_seqs, f"{seq.num_samples} samples in one waiting sequence"
         seq.waiting_since = self.num_decode_steps
         self.waiting.append(seq)
 
     def refusal(self, num_tokens: int, num_samples: int) -> str | None:
         """Why a waiting sequence of ``num_tokens`` tokens standing for ``num_samples`` samples is never admitted, not
-        even with every slot and block free (one line), or None when it can be."""
-        if num_samples > self.max_num_seqs:
-            return (f"a request asks for n={num_samples} samples but max_num_seqs={self.max_num_seqs}; raise "
-                    "max_num_seqs or lower n")
+        even with every slot and block free (one line), or None when it can be; at most ``max_num_seqs`` samples."""
         for manager in self.pools:
             copies = num_samples - 1 if num_tokens % manager.block_size else 0
             if manager.num_blocks_for(num_tokens) + copies > manager.num_blocks:
@@ -198,8 +196,8 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_tokens - num_new
             seq.cache_epoch = self.block_manager.epoch
             group = [seq]
-            for sample_index in range(1, seq.num_samples):
-                child = seq.fork(self.new_seq_id(), sample_index)
+            for offset in range(1, seq.num_samples):  # a request's later group starts at its own sample index
+                child = seq.fork(self.new_seq_id(), seq.sample_index + offset)
                 child.block_table, copy = self.block_manager.fork(seq.block_table, seq.num_tokens)
                 if copy is not None:
                     step.block_copies.append(copy)

@@ -1,7 +1,9 @@
 """One sample being generated: its tokens, log-probs, KV blocks and stop rules.
 
 A request with n samples enters the scheduler as one waiting sequence standing for all n
-(``num_samples``); its prefill runs once and then it forks into n running sequences.
+(``num_samples``); its prefill runs once and then it forks into n running sequences. A request of
+more samples than the engine's ``max_num_seqs`` enters as several, the k-th standing for samples
+k x max_num_seqs onwards (its ``sample_index`` the first of them).
 """
 
 from __future__ import annotations

@@ -66,6 +66,24 @@ def test_more_sequences_than_slots_and_preemption_keep_greedy_results(qwen2, tin
     assert few_blocks.scheduler.block_manager.num_free_blocks == 10
 
 
+def test_a_request_of_more_samples_than_slots_runs_them_in_groups_with_the_same_tokens(qwen2, tiny):
+    """n=9 on an engine of 4 sequence slots (a validation's rollout.val_kwargs.n past what the trainer sized the
+    engine for): three groups of 4, 4 and 1, each sample seeded by its own index, so the completions are an engine
+    with room's; synchronous and through generate_async."""
+    prompts = tiny.prompts([5, 11])
+    requests = [GenerationRequest(prompts[0], SamplingParams(max_tokens=8, temperature=1.0, n=9, seed=3)),
+                GenerationRequest(prompts[1], SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=4))]
+    roomy = [[c.token_ids for c in samples] for samples in make_engine(qwen2).generate(requests)]
+    few_slots = make_engine(qwen2, max_num_seqs=4)
+    assert [[c.token_ids for c in samples] for samples in few_slots.generate(requests)] == roomy
+    assert len({tuple(tokens) for tokens in roomy[0]}) > 1  # the samples differ: each has its own seed
+
+    async def both():
+        return await asyncio.gather(*(few_slots.generate_async(request) for request in requests))
+
+    assert [[c.token_ids for c in samples] for samples in asyncio.run(both())] == roomy
+
+
 def test_top_k_one_is_greedy_and_seeds_reproduce(qwen2, tiny):
     prompts = tiny.prompts([4, 11])
     engine = make_engine(qwen2)
