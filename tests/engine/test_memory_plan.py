@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -211,6 +212,23 @@ def test_explicit_settings_win_and_a_refusal_names_them():
     with pytest.raises(MemoryPlanError, match=r"actor.max_tokens_per_micro_batch=auto"):
         plan_memory(small, STANDARD, {"micro_batch_tokens": 65536, "checkpoint_layers": 0,
                                       "keep_rollout_memory": True}, 40 * GiB, 128 * GiB)
+
+
+def test_a_refusal_accounts_for_the_whole_need_the_fixed_overhead_too():
+    """0.5B on 4 GiB needed 6.6 GiB, and the consumers named added to 3.6: the fixed 3 GiB overhead was left out, so
+    they looked as if they fit in the 3.8 usable."""
+    smallest = {"micro_batch_tokens": 4096, "checkpoint_layers": 24, "keep_rollout_memory": False}  # a quick search
+    with pytest.raises(MemoryPlanError) as refused:
+        plan_memory(shape("0.5b"), STANDARD, smallest, 4 * GiB, 30 * GiB)
+    message = str(refused.value)
+    assert ("needs 6.6 GiB per device at its rollout peak but 3.8 GiB are usable (fixed overhead 3.0 GiB, rollout "
+            "activations 2.2 GiB, rollout weight copy 0.9 GiB, kv cache 0.5 GiB); it would fit with") in message
+    # past three, what the others add: the figures still sum to the peak
+    plan = plan_memory(shape("7b"), STANDARD, {}, 139 * GiB, 128 * GiB)
+    consumers = plan.largest_consumers()
+    assert re.fullmatch(r"(\w[\w ]* [\d.]+ GiB, ){2}\w[\w ]* [\d.]+ GiB and [\d.]+ GiB in \d+ others", consumers)
+    assert sum(float(figure) for figure in re.findall(r"([\d.]+) GiB", consumers)) == pytest.approx(
+        plan.peak[1] / GiB, abs=0.15)
 
 
 def test_host_memory_limits_offload():
