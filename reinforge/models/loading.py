@@ -106,17 +106,24 @@ Instruct: 32768 x 4 = 131072; DeepSeek-V3: 4096 x 40 = 163840, its max_position_
 factor stretches ``max_position_embeddings``, and ``default`` (or a type not known here) leaves it as it is."""
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length", "n_ctx")
+"""The keys a config.json gives a model's positions under, the first one present read: most families'
+max_position_embeddings; GPT-2, GPT-J, CodeGen and GPTBigCode's n_positions; MPT and DBRX's max_seq_len; the others
+in the configs of models that ship their own code (ChatGLM's seq_length) or in older files (GPT-2's n_ctx)."""
+
+
 def context_length(config: dict) -> tuple[int, str]:
     """The positions a model's config.json (a dict; a multimodal model's ``text_config`` is read) says it was trained
     on, and the keys that say so, for a message.
 
-    Reads ``max_position_embeddings`` and the rope scaling: ``rope_parameters`` as transformers 5 saves it (also
-    nested by layer type, as Gemma 3's), else the older ``rope_scaling``. Raises KeyError, TypeError or ValueError
-    for a config without a usable ``max_position_embeddings``.
+    Reads the first of ``CONTEXT_KEYS`` present and the rope scaling: ``rope_parameters`` as transformers 5 saves it
+    (also nested by layer type, as Gemma 3's), else the older ``rope_scaling``. Raises KeyError, TypeError or
+    ValueError for a config without a usable one.
     """
     text = config.get("text_config") or config
-    base = int(text["max_position_embeddings"])
-    limit, source = base, "max_position_embeddings"
+    key = next((key for key in CONTEXT_KEYS if text.get(key) is not None), CONTEXT_KEYS[0])
+    base = int(text[key])
+    limit, source = base, key
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     nested = isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values())
     for scaling in rope.values() if nested else [rope]:  # nested: one dict per layer type
@@ -141,13 +148,14 @@ def context_length(config: dict) -> tuple[int, str]:
 
 
 def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | None = None) -> bool:
-    """Warn (one line) when a run's longest sequence outruns the positions the model was trained on.
+    """Warn (one line) when a run's longest sequence outruns the positions the model was trained on; refuse it
+    (ValueError, one line) when those positions are a learned table (``position_table``), which has no row past them.
 
-    ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message; ``model``: how
-    the message names the model (default: the model at ``path``).
+    ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message and its fix;
+    ``model``: how the message names the model (default: the model at ``path``).
     Reads the context from a local folder's config.json (``context_length``); returns whether it warned.
-    Positions past it still run (rotary embeddings have no table to overflow), which is why transformers only warns
-    deep inside ``generate``.
+    Rotary positions past it still run (there is no table to overflow), which is why transformers only warns deep
+    inside ``generate``; a learned table's lookup fails there with an IndexError.
     """
     file = Path(path).expanduser() / "config.json"
     try:
@@ -156,10 +164,38 @@ def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | Non
         return False  # a hub id, or a config without the field: nothing to compare with
     if tokens <= limit:
         return False
+    named = model or f"the model at {path}"
+    table = position_table(path, limit)
+    if table is not None:
+        raise ValueError(f"{source} = {tokens} tokens, more than the {limit} positions of {named} ({keys} in its "
+                         f"config.json), whose position embedding is a learned table ({table}) with no row past them; "
+                         f"lower {source} to {limit} or fewer")
     logger.warning("%s = %d tokens, more than the %d positions %s was trained on (%s in its config.json); what it "
                    "computes past them is unreliable: shorten them or use a model with a longer context", source,
-                   tokens, limit, model or f"the model at {path}", keys)
+                   tokens, limit, named, keys)
     return True
+
+
+def position_table(path: str, limit: int) -> str | None:
+    """Where the model at ``path`` keeps its positions in a learned table of ``limit`` rows (OPT's and BART's
+    have 2 rows more, an offset): that embedding's name and rows (GPT-2's ``transformer.wpe: 64 rows``), found in
+    the model built from its config on the meta device; None when its positions are computed (rotary, ALiBi) or
+    it cannot be built so (its own code, a config transformers does not read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        model_class = causal_lm_class(config)
+        with torch.device("meta"):
+            model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
+        token_embedding = model.get_input_embeddings()
+    except Exception:  # noqa: BLE001 (not built here: the run's own load says what is wrong)
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module is not token_embedding \
+                and limit <= module.num_embeddings <= limit + 2:
+            return f"{name}: {module.num_embeddings} rows"
+    return None
 
 
 def dynamic_rope_length(config: dict) -> int | None:

@@ -3,12 +3,12 @@
 ``RLTrainer(config)`` and ``SFTTrainer(config)`` run them first, so ``reinforge train`` and a Python caller
 that builds a trainer from ``load_config(...)`` get the same one-line refusals. In order: the config's rules
 (the schema's own, ``config.validate``, then the names of estimators, losses, KL estimators, schedules and
-trackers against their registries, and the rules those entries bring), what a run needs (a model, data, the
-packages of its trackers), the backend against the devices, the scorer (imported), the memory plan (auto
-settings resolved), LoRA's target modules, the tools; settings the rest of the config makes ineffective are a warning each
-(``ineffective_settings.py``). Then, with the tokenizer, every data row against its scorer and agent. The
-trainer then opens the run folder (``TrainingRun.open_run_folder``: a second run refused, settings a resume
-cannot take refused by name), still before any weight loads.
+trackers against their registries, and the rules those entries bring), what a run needs (a model whose
+positions hold its lengths, data, the packages of its trackers), the backend against the devices, the scorer
+(imported), the memory plan (auto settings resolved), LoRA's target modules, the tools; settings the rest of the
+config makes ineffective are a warning each (``ineffective_settings.py``). Then, with the tokenizer, every data
+row against its scorer and agent. The trainer then opens the run folder (``TrainingRun.open_run_folder``: a second
+run refused, settings a resume cannot take refused by name), still before any weight loads.
 """
 
 from __future__ import annotations
@@ -268,6 +268,10 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
     check_model_config(config.model.path)  # its experts and window, also where no memory setting is auto
+    longest, source = config.data.max_prompt_length + config.data.max_response_length, \
+        "data.max_prompt_length + data.max_response_length"
+    warn_if_beyond_context(config.model.path, longest, source)  # refused here where positions are a learned table
+    warn_if_rollout_parts_from_training(config.model.path, longest, source)
     check_router_aux_loss_has_experts("actor.router_aux_loss_coef", config.actor.router_aux_loss_coef, config.model)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
         check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
@@ -291,10 +295,6 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     require_peft(config.model.lora)
-    longest, source = config.data.max_prompt_length + config.data.max_response_length, \
-        "data.max_prompt_length + data.max_response_length"
-    warn_if_beyond_context(config.model.path, longest, source)
-    warn_if_rollout_parts_from_training(config.model.path, longest, source)
     check_plugin_engine(config.rollout.name)  # hf, native, or an engine a package adds through its entry point
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)

@@ -123,6 +123,47 @@ def test_a_run_longer_than_the_models_positions_is_warned_of_once(tmp_path, capl
     assert not loading.warn_if_beyond_context("Qwen/Qwen2.5-0.5B", 10**6, "a + b")  # nothing local to read
 
 
+def tiny_family_config(model_type: str, **positions):
+    """A one-layer config of ``model_type`` (transformers' own class), its positions given by ``positions``."""
+    from transformers import AutoConfig
+
+    sizes = {"gpt2": dict(n_embd=16, n_layer=1, n_head=2), "gptj": dict(n_embd=16, n_layer=1, n_head=2, rotary_dim=4),
+             "opt": dict(hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                         word_embed_proj_dim=16),
+             "mpt": dict(d_model=16, n_heads=2, n_layers=1)}[model_type]
+    return AutoConfig.for_model(model_type, vocab_size=50, bos_token_id=1, eos_token_id=1, **sizes, **positions)
+
+
+@pytest.mark.parametrize("model_type, positions, key, table", [
+    ("gpt2", {"n_positions": 64}, "n_positions", "transformer.wpe: 64 rows"),
+    ("opt", {"max_position_embeddings": 64}, "max_position_embeddings", "model.decoder.embed_positions: 66 rows"),
+], ids=["gpt2", "opt"])
+def test_a_run_past_a_learned_position_table_is_refused_in_one_line(tmp_path, model_type, positions, key, table):
+    """GPT-2 (n_positions) and OPT (2 offset rows) look a position up in a table of that many rows: a longer
+    sequence fails at the first generate with an IndexError, so it is refused before the model loads."""
+    tiny_family_config(model_type, **positions).save_pretrained(tmp_path)
+    assert not loading.warn_if_beyond_context(str(tmp_path), 64, "data.max_length")
+    with pytest.raises(ValueError) as refusal:
+        loading.warn_if_beyond_context(str(tmp_path), 65, "data.max_length")
+    assert str(refusal.value) == (
+        f"data.max_length = 65 tokens, more than the 64 positions of the model at {tmp_path} ({key} in its "
+        f"config.json), whose position embedding is a learned table ({table}) with no row past them; lower "
+        "data.max_length to 64 or fewer")
+
+
+@pytest.mark.parametrize("model_type, positions, key", [
+    ("gptj", {"n_positions": 64}, "n_positions"),  # rotary
+    ("mpt", {"max_seq_len": 64}, "max_seq_len"),  # ALiBi
+], ids=["gptj", "mpt"])
+def test_computed_positions_under_another_key_are_warned_of(tmp_path, caplog, model_type, positions, key):
+    """GPT-J's rotary and MPT's ALiBi positions have no table: past them is a warning, read from their own key."""
+    tiny_family_config(model_type, **positions).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert loading.warn_if_beyond_context(str(tmp_path), 65, "a + b")
+    assert f"a + b = 65 tokens, more than the 64 positions the model at {tmp_path} was trained on ({key} in its " \
+           "config.json)" in caplog.text
+
+
 @pytest.mark.parametrize("rope", [{"rope_scaling": {"type": "dynamic", "factor": 4.0}},
                                   {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0},
                                                        "sliding_attention": {"rope_type": "default"}}}])

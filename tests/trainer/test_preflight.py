@@ -42,6 +42,32 @@ def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, 
     assert not (tmp_path / "python").exists() and not (tmp_path / "cli").exists()  # refused before the run folder
 
 
+def test_lengths_past_a_learned_position_table_are_refused_by_train_and_plan_before_the_model_loads(
+        rl_args, tmp_path, capsys):
+    """GPT-2's 64 positions are rows of a table: 64 prompt + 8 response tokens failed at the first generate with an
+    IndexError (whose message blamed the engine); train and plan now refuse them in the same line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.models import build_char_tokenizer, save_hf_folder
+
+    tokenizer = build_char_tokenizer(())
+    config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, n_embd=16,
+                                  n_layer=1, n_head=2, n_positions=64)
+    folder = save_hf_folder(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "gpt2")
+    refusal = (f"error: data.max_prompt_length + data.max_response_length = 72 tokens, more than the 64 positions of "
+               f"the model at {folder} (n_positions in its config.json), whose position embedding is a learned table "
+               "(transformer.wpe: 64 rows) with no row past them; lower data.max_prompt_length + "
+               "data.max_response_length to 64 or fewer")
+    args = rl_args(tmp_path / "run", **{"model.path": folder})
+    capsys.readouterr()  # the save's progress bar
+    assert main(["train", *args]) == 2
+    assert capsys.readouterr().err.strip() == refusal
+    assert main(["plan", *args, "trainer.device=cpu"]) == 2
+    assert capsys.readouterr().err.strip() == refusal
+    assert not (tmp_path / "run").exists()
+
+
 def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
     """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
     monkeypatch.setenv("WORLD_SIZE", "2")
