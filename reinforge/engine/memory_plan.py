@@ -50,7 +50,7 @@ from typing import Any
 from reinforge.engine.image_embeddings import ENCODE_PATCHES as VISION_ENCODE_PATCHES
 from reinforge.engine.memory_plan_splits import split_loads
 from reinforge.engine.micro_batches import split_group
-from reinforge.models.architectures import check_transformers_runs
+from reinforge.models.architectures import FAMILIES, architecture_spec, check_transformers_runs
 from reinforge.models.kv_layout import kv_block_bytes, pool_blocks, window_pool_blocks
 from reinforge.models.loading import read_model_config
 
@@ -718,15 +718,20 @@ NO_WINDOW_FAMILIES = ("llama", "olmo2", "olmoe", "deepseek_v2", "deepseek_v3")
 def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:
     """Each decoder layer's sliding window as the model applies it (0: the whole context; () when no layer has one).
 
-    ``layer_types`` where the config lists them (transformers writes them for Qwen2/3, Gemma 2/3 and others);
-    else Gemma 2's even layers; Qwen's ``use_sliding_window`` from ``max_window_layers`` on; any other family
-    with a ``sliding_window`` (Mistral, Phi-3) on every layer.
+    A family of the architecture table (``models.architectures.FAMILIES``): the windows ``architecture_spec`` reads
+    from the config transformers builds of ``text``, which transformers' masks and the native engine apply (Qwen3-MoE
+    and Mistral slide every layer, whatever max_window_layers or layer_types say). Another family: ``layer_types``
+    where the config lists them; else Gemma 2's even layers; Qwen's ``use_sliding_window`` from ``max_window_layers``
+    on; else a ``sliding_window`` on every layer.
     """
     if text.get("model_type") in NO_WINDOW_FAMILIES:
         return ()
     layers, window = int(text["num_hidden_layers"]), int(text.get("sliding_window") or 0)
     if not window:
         return ()
+    table = _table_windows(text)
+    if table is not None:
+        return tuple(size or 0 for size in table) if any(table) else ()
     types = text.get("layer_types")
     if types:
         sliding = [kind == "sliding_attention" for kind in types[:layers]]
@@ -738,6 +743,21 @@ def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:
     else:
         sliding = [True] * layers
     return tuple(window if is_sliding else 0 for is_sliding in sliding) if any(sliding) else ()
+
+
+def _table_windows(text: dict[str, Any]) -> list[int | None] | None:
+    """Each layer's window (None: full attention) of a family in ``FAMILIES``, as ``architecture_spec`` reads it from
+    the config transformers builds of ``text``; None for another family, or a config transformers cannot build or
+    run (the load refuses it: ``check_model_config``)."""
+    model_type = text.get("model_type")
+    config_class = _config_class(model_type)[0] if model_type in FAMILIES else None
+    if config_class is None:
+        return None
+    try:
+        spec = architecture_spec(config_class.from_dict(text))
+    except Exception:  # noqa: BLE001 (refused before the plan, in the load's own words)
+        return None
+    return None if spec is None else [layer.sliding_window for layer in spec.layers]
 
 
 def _dense_layers(text: dict[str, Any]) -> int:

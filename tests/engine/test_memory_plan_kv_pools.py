@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from reinforge.bench.shapes import shape_config
 from reinforge.config.schema import Config
@@ -24,8 +25,9 @@ from reinforge.engine.memory_plan import (
     needed_kv_gib,
     plan_memory,
 )
+from reinforge.models.architectures import FAMILIES, architecture_spec
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
-from reinforge.models.tiny import build_tiny_causal_lm
+from reinforge.models.tiny import FAMILY_OPTIONS, build_tiny_causal_lm
 from reinforge.rollout.native import NativeEngine
 from reinforge.workers.rollout_side import planned_concurrency
 
@@ -81,6 +83,40 @@ def test_an_engine_given_the_planned_bytes_holds_every_sequence_in_each_pool(fam
     assert counts[0] >= run.sequences * -(-(PROMPT + RESPONSE + 1) // KV_BLOCK_TOKENS)
     held = sum(engine.runner.kv_bytes_per_block(group) * count for group, count in enumerate(counts))
     assert planned - engine.runner.kv_bytes_per_block(0) < held <= planned
+
+
+WINDOW_SETTINGS = ({"sliding_window": 6}, {"sliding_window": 6, "use_sliding_window": True},
+                   {"sliding_window": 6, "use_sliding_window": True, "max_window_layers": 1},
+                   {"sliding_window": 6, "use_sliding_window": True, "max_window_layers": 3},
+                   {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2})
+"""Window keys of a config.json, each read by some families and ignored by others."""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_planner_slides_the_layers_the_model_slides(family):
+    """Qwen3-MoE with use_sliding_window and max_window_layers=1 slides every layer in transformers and the native
+    engine (``architecture_spec``), where the planner read Qwen2's rule and kept layer 0 whole; Mistral, Phi-3 and
+    Mixtral slide every layer whatever layer_types say. The planner's windows are the model's, for each family of the
+    table, from the config.json as written and as transformers saves it."""
+    text_type = "gemma3_text" if family == "gemma3" else family
+    sizes = dict(model_type=text_type, vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4 if family.startswith("deepseek") else 2, intermediate_size=96,
+                 **FAMILY_OPTIONS[text_type])
+    compared = 0
+    for window_keys in WINDOW_SETTINGS:
+        given = sizes | window_keys
+        if family == "gemma3":  # the multimodal wrapper: its language model's config
+            given = dict(model_type="gemma3", text_config=given, vision_config=dict(num_hidden_layers=1))
+        try:
+            config = AutoConfig.for_model(**given)
+            spec = architecture_spec(config)
+        except ValueError:  # a config transformers cannot run (Qwen's sliding layer_types without use_sliding_window)
+            continue
+        windows = tuple(layer.sliding_window or 0 for layer in spec.layers)
+        for written in (given, config.to_dict()):
+            assert (ModelShape.from_hf_config(written).attention_windows or (0,) * 4) == windows, (window_keys, written)
+        compared += 1
+    assert compared >= 3
 
 
 def held_sequences(shape: ModelShape, run: RunShape, kv_cache_gib: float) -> float:
