@@ -273,6 +273,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     vocab_size = text_config(actor.model.config).vocab_size  # a vision-language model's is its text config's
     model_shape = ModelShape.from_model_path(str(model_dir))
     rows: list[dict] = []
+    phase_keys: set[str] = set()  # the row keys of the rollout's timed phases, apart from its other figures
     stopped_early = False
     for step in range(args.steps):
         if rows and past_deadline(args, rows[-1]["step_s"] - rows[-1]["compile_s"]):
@@ -346,6 +347,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                **{f"moe_{key.removeprefix('actor/moe/')}": value for key, value in metrics.items()
                   if key.startswith("actor/moe/")},
                **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}, **host}
+        phase_keys |= {f"rollout_{name.removeprefix('rollout/')}" for name in rollout_phases}
         if critic is not None:
             row["vf_loss"] = critic_metrics.get("critic/vf_loss")
         if reward_model is not None:
@@ -378,7 +380,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
     summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result = {"variant": args.variant, "steps": rows, "median": summary,
-              "median_steps": [row["step"] for row in measured], "shape": shape_summary(args, model_dir, config),
+              "median_steps": [row["step"] for row in measured], "rollout_phase_keys": sorted(phase_keys),
+              "shape": shape_summary(args, model_dir, config),
               "floor": {"bandwidth_tbps": args.bandwidth_tbps, **floor_dtypes(config, args)}}
     if stopped_early:
         result["stopped_at_deadline"] = True
@@ -723,6 +726,14 @@ def bench_train_main(argv: list[str]) -> int:
             pass
     if args.json is not None:
         write_json(args.json, result)
+    print_summary(result, args)
+    return 0
+
+
+def print_summary(result: dict, args: argparse.Namespace) -> None:
+    """The run's closing lines, from its medians: the step, the reward model's and vision tower's parts, the
+    rollout's bandwidth floor, its timed phases (seconds) and its other figures (the floor's, its probabilities
+    against the trainer's, its peak), at three significant digits (a tiny model's floor and differences are tiny)."""
     median = result["median"]
     print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
@@ -731,8 +742,8 @@ def bench_train_main(argv: list[str]) -> int:
           f"host peak {median.get('host_peak_gb', 0):.1f} GiB (at phase ends: anonymous "
           f"{median.get('host_rssanon_gb', 0):.1f}, shared/pinned {median.get('host_rssshmem_gb', 0):.1f}, "
           f"file-backed {median.get('host_rssfile_gb', 0):.1f})")
-    phases = {key.removeprefix("rollout_"): value for key, value in median.items()
-              if key.startswith("rollout_") and key != "rollout_s"}
+    figures = {key: value for key, value in median.items() if key.startswith("rollout_") and key != "rollout_s"}
+    phases = {key: figures.pop(key) for key in list(figures) if key in result.get("rollout_phase_keys", ())}
     if "reward_model_s" in median:
         print(f"  reward model ({args.reward_model}): {median['reward_model_s']:.2f} s, "
               f"{median.get('reward_model_share', 0):.1%} of the step, "
@@ -741,15 +752,16 @@ def bench_train_main(argv: list[str]) -> int:
         print(f"  vision encoder {median['rollout_vision_encode_s']:.2f} s, "
               f"{median['rollout_vision_encode_s'] / median['step_s']:.1%} of the step; rollout "
               f"{median.get('response_tokens', 0) / median.get('rollout_s', 1):.0f} generated tokens/s")
-    if median.get("rollout_floor_s"):
-        print(f"  rollout bandwidth floor {median['rollout_floor_s']:.2f} s over "
+    if median.get("rollout_floor_s"):  # three significant digits: a tiny model's floor is microseconds
+        print(f"  rollout bandwidth floor {median['rollout_floor_s']:.3g} s over "
               f"{median['rollout_floor_decode_steps']:.0f} decode steps at {args.bandwidth_tbps:g} TB/s "
-              f"(KV {median['rollout_floor_kv_gb']:.0f} GB as {getattr(args, 'kv_cache_dtype', 'auto')}, weights {median['rollout_floor_weight_gb']:.0f} GB read); "
-              f"rollout / floor {median.get('rollout_over_floor') or 0:.2f}")
+              f"(KV {median['rollout_floor_kv_gb']:.3g} GB as {getattr(args, 'kv_cache_dtype', 'auto')}, weights "
+              f"{median['rollout_floor_weight_gb']:.3g} GB read); rollout / floor {median.get('rollout_over_floor') or 0:.3g}")
         if median.get("rollout_floor_roofline_s", 0) > median["rollout_floor_s"] * 1.01:
-            print(f"  with the products' {median['rollout_floor_product_tflop']:.0f} TFLOP at {MATMUL_FLOPS_PER_S / 1e12:.0f} "
-                  f"TFLOP/s where they take longer than their weight reads: {median['rollout_floor_roofline_s']:.2f} s; "
-                  f"rollout / that {median.get('rollout_over_roofline') or 0:.2f}")
-    if phases:
-        print("  rollout phases (medians, s): " + ", ".join(f"{name} {value:.3f}" for name, value in phases.items()))
-    return 0
+            print(f"  with the products' {median['rollout_floor_product_tflop']:.3g} TFLOP at "
+                  f"{MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s where they take longer than their weight reads: "
+                  f"{median['rollout_floor_roofline_s']:.3g} s; rollout / that {median.get('rollout_over_roofline') or 0:.3g}")
+    for heading, shown in (("rollout phases (medians, s)", phases), ("rollout figures (medians)", figures)):
+        if shown:  # the figures: the floor's, the rollout's probabilities against the trainer's, its peak
+            print(f"  {heading}: " + ", ".join(f"{key.removeprefix('rollout_')} {value:.3g}"
+                                               for key, value in shown.items()))

@@ -1,4 +1,5 @@
-"""`reinforge bench train` for long responses: each step's bandwidth floor and a deadline between steps."""
+"""`reinforge bench train` for long responses: each step's bandwidth floor, a deadline between steps, and closing lines
+that show tiny figures."""
 
 from __future__ import annotations
 
@@ -64,3 +65,23 @@ def test_the_next_step_is_estimated_without_the_compilation_the_first_one_paid(t
     results = json.loads(out.read_text())
     assert len(results["steps"]) == 2 and not results.get("stopped_at_deadline")
     assert [step["compile_s"] for step in results["steps"]] == [30.0, 0.0]
+
+
+def test_the_closing_lines_show_tiny_figures_apart_from_the_rollouts_phases(capsys):
+    """A tiny model's floor (microseconds) and its rollout-against-trainer differences (1e-9) read 0.000, among the
+    rollout's phases in seconds."""
+    import argparse
+
+    from reinforge.bench.train import print_summary
+
+    median = {"step_s": 0.27, "rollout_s": 0.15, "rollout_floor_s": 4.81e-06, "rollout_floor_decode_steps": 47.0,
+              "rollout_floor_kv_gb": 0.00308, "rollout_floor_weight_gb": 0.0171, "rollout_over_floor": 30417.3,
+              "rollout_probs_diff_mean": 9.09e-10, "rollout_engine": 0.143, "rollout_wake_up": 1.27e-05}
+    result = {"median": median, "rollout_phase_keys": ["rollout_engine", "rollout_wake_up"]}
+    print_summary(result, argparse.Namespace(variant="grpo", bandwidth_tbps=4.19, kv_cache_dtype="auto"))
+    lines = capsys.readouterr().out.splitlines()
+    assert ("  rollout bandwidth floor 4.81e-06 s over 47 decode steps at 4.19 TB/s (KV 0.00308 GB as auto, weights "
+            "0.0171 GB read); rollout / floor 3.04e+04") in lines
+    assert "  rollout phases (medians, s): engine 0.143, wake_up 1.27e-05" in lines
+    assert ("  rollout figures (medians): floor_s 4.81e-06, floor_decode_steps 47, floor_kv_gb 0.00308, "
+            "floor_weight_gb 0.0171, over_floor 3.04e+04, probs_diff_mean 9.09e-10") in lines
