@@ -275,6 +275,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     check_router_aux_loss_has_experts("actor.router_aux_loss_coef", config.actor.router_aux_loss_coef, config.model)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
         check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
+        warn_if_beyond_context(config.critic.model_path, longest, source)  # it scores every whole sequence
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
     check_batch_splits(config, placement)

@@ -66,6 +66,12 @@ def test_lengths_past_a_learned_position_table_are_refused_by_train_and_plan_bef
     assert main(["plan", *args, "trainer.device=cpu"]) == 2
     assert capsys.readouterr().err.strip() == refusal
     assert not (tmp_path / "run").exists()
+    # a critic of its own that numbers positions so scores the same sequences: refused as well
+    critic = rl_args(tmp_path / "run", **{"critic.enable": True, "critic.model_path": folder,
+                                          "algorithm.adv_estimator": "gae"})
+    assert main(["train", *critic]) == 2
+    assert capsys.readouterr().err.strip() == refusal
+    assert not (tmp_path / "run").exists()
 
 
 def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
