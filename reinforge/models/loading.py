@@ -179,23 +179,32 @@ def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | Non
 def position_table(path: str, limit: int) -> str | None:
     """Where the model at ``path`` keeps its positions in a learned table of ``limit`` rows (OPT's and BART's
     have 2 rows more, an offset): that embedding's name and rows (GPT-2's ``transformer.wpe: 64 rows``), found in
-    the model built from its config on the meta device; None when its positions are computed (rotary, ALiBi) or
-    it cannot be built so (its own code, a config transformers does not read)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        model_class = causal_lm_class(config)
-        with torch.device("meta"):
-            model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
-        token_embedding = model.get_input_embeddings()
-    except Exception:  # noqa: BLE001 (not built here: the run's own load says what is wrong)
+    its ``meta_model``; None when its positions are computed (rotary, ALiBi) or it cannot be built so (its own
+    code, a config transformers does not read)."""
+    model = meta_model(path)
+    if model is None:
         return None
+    token_embedding = model.get_input_embeddings()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and module is not token_embedding \
                 and limit <= module.num_embeddings <= limit + 2:
             return f"{name}: {module.num_embeddings} rows"
     return None
+
+
+def meta_model(path: str, trust_remote_code: bool = False) -> PreTrainedModel | None:
+    """The model ``load_causal_lm`` builds from the config at ``path`` (``causal_lm_class``), on the meta device:
+    its modules and shapes, no weight read or allocated. None where transformers cannot build it here (the load
+    then says why, in its own words)."""
+    try:
+        config = read_model_config(path, trust_remote_code)
+        model_class = causal_lm_class(config)
+        with torch.device("meta"):
+            if hasattr(model_class, "from_config"):  # an auto class
+                return model_class.from_config(config, trust_remote_code=trust_remote_code)
+            return model_class._from_config(config)  # ``named_class``'s
+    except Exception:  # noqa: BLE001 (not built here: the run's own load says what is wrong)
+        return None
 
 
 def dynamic_rope_length(config: dict) -> int | None:

@@ -111,19 +111,11 @@ def native_fallback_reason(config: Config) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _unsupported_reason(path: str, trust_remote_code: bool, config_text: str) -> str | None:
-    from reinforge.models.classes import causal_lm_class, named_class
-    from reinforge.models.loading import read_model_config
+    from reinforge.models.loading import meta_model
     from reinforge.rollout.native import unsupported_reason
 
-    try:
-        model_config = read_model_config(path, trust_remote_code)
-        named = named_class(model_config)
-        with torch.device("meta"):
-            model = (named._from_config(model_config) if named is not None else
-                     causal_lm_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code))
-    except Exception:  # noqa: BLE001 (the load refuses it in its own words)
-        return None
-    return unsupported_reason(model)
+    model = meta_model(path, trust_remote_code)
+    return None if model is None else unsupported_reason(model)
 
 
 def _reward_model_shape(config: Config) -> dict[str, Any]:
