@@ -147,12 +147,14 @@ def context_length(config: dict) -> tuple[int, str]:
     return limit, source
 
 
-def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | None = None) -> bool:
+def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | None = None,
+                           fix: str | None = None) -> bool:
     """Warn (one line) when a run's longest sequence outruns the positions the model was trained on; refuse it
     (ValueError, one line) when those positions are a learned table (``position_table``), which has no row past them.
 
     ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message and its fix;
-    ``model``: how the message names the model (default: the model at ``path``).
+    ``model``: how the message names the model (default: the model at ``path``); ``fix``: the refusal's fix, where it
+    is not lowering ``source`` (``{limit}`` in it is the model's positions).
     Reads the context from a local folder's config.json (``context_length``); returns whether it warned.
     Rotary positions past it still run (there is no table to overflow), which is why transformers only warns deep
     inside ``generate``; a learned table's lookup fails there with an IndexError.
@@ -169,7 +171,7 @@ def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | Non
     if table is not None:
         raise ValueError(f"{source} = {tokens} tokens, more than the {limit} positions of {named} ({keys} in its "
                          f"config.json), whose position embedding is a learned table ({table}) with no row past them; "
-                         f"lower {source} to {limit} or fewer")
+                         + (fix.format(limit=limit) if fix else f"lower {source} to {limit} or fewer"))
     logger.warning("%s = %d tokens, more than the %d positions %s was trained on (%s in its config.json); what it "
                    "computes past them is unreliable: shorten them or use a model with a longer context", source,
                    tokens, limit, named, keys)

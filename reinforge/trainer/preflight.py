@@ -367,7 +367,11 @@ def check_reward_model_settings(config: Config) -> RewardInputs | None:
         warn_if_beyond_context(settings.model_path, settings.max_length, "reward.reward_model.max_length")
     else:
         warn_if_beyond_context(settings.model_path, config.data.max_prompt_length + config.data.max_response_length,
-                               "the reward model's input, data.max_prompt_length + data.max_response_length")
+                               "the reward model's input, data.max_prompt_length + data.max_response_length",
+                               fix="reward.reward_model.max_length is unset, so the reward model reads that many; set "
+                                   "it to {limit} or fewer (a longer input loses its end, counted in "
+                                   "reward_model/truncated), or lower data.max_prompt_length + "
+                                   "data.max_response_length to {limit} or fewer")
     return build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
 
 

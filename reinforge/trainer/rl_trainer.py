@@ -301,10 +301,14 @@ class RLTrainer(TrainingRun):
         cut = int(scored["rm_truncated"].sum())
         if cut and not self.rm_truncation_warned:
             self.rm_truncation_warned = True
-            logger.warning("%d of %d reward-model inputs were longer than reward.reward_model.max_length and lost "
-                           "their end (the response's last tokens) before scoring; raise "
-                           "reward.reward_model.max_length (a re-rendered chat template adds tokens). Warned once; "
-                           "reward_model/truncated counts them each step", cut, len(batch))
+            limit, fix = "reward.reward_model.max_length", "raise it"
+            if self.config.reward.reward_model.max_length is None:
+                limit = ("the reward model's limit, data.max_prompt_length + data.max_response_length "
+                         "(reward.reward_model.max_length is unset)")
+                fix = "set reward.reward_model.max_length above that sum"
+            logger.warning("%d of %d reward-model inputs were longer than %s and lost their end (the response's "
+                           "last tokens) before scoring; %s (a re-rendered chat template adds tokens). Warned once; "
+                           "reward_model/truncated counts them each step", cut, len(batch), limit, fix)
         scores = combine_scores(rm_scores, None if rule is None else rule["token_level_scores"].sum(-1), combine)
         result = rule if rule is not None else Batch()
         result["token_level_scores"] = place_on_last_token(scores, batch["response_mask"].cpu()).to(

@@ -156,6 +156,31 @@ def test_a_reward_model_reading_past_its_positions_is_warned_about(tiny_model_di
     assert not [record for record in caplog.records if record.levelname == "WARNING"]
 
 
+def test_a_reward_model_with_a_learned_position_table_shorter_than_the_unset_limit_is_refused_naming_its_fix(
+        tiny_model_dir, tmp_path):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from reinforge.config import load_config
+    from reinforge.models import build_char_tokenizer, save_hf_folder
+    from reinforge.trainer.preflight import check_reward_model_settings
+
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=1,
+                                  n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    rm_dir = save_hf_folder(AutoModelForSequenceClassification.from_config(config), tokenizer, tmp_path / "rm")
+    settings = [f"model.path={tiny_model_dir}", "reward.reward_model.enable=true",
+                f"reward.reward_model.model_path={rm_dir}", "data.max_prompt_length=64", "data.max_response_length=8"]
+    with pytest.raises(ValueError) as refusal:
+        check_reward_model_settings(load_config(None, settings))
+    assert str(refusal.value).endswith(
+        "with no row past them; reward.reward_model.max_length is unset, so the reward model reads that many; set it "
+        "to 64 or fewer (a longer input loses its end, counted in reward_model/truncated), or lower "
+        "data.max_prompt_length + data.max_response_length to 64 or fewer")
+    assert str(refusal.value).startswith("the reward model's input, data.max_prompt_length + data.max_response_length "
+                                         "= 72 tokens, more than the 64 positions")
+    check_reward_model_settings(load_config(None, [*settings, "reward.reward_model.max_length=64"]))
+
+
 def test_reward_model_inputs_cut_to_max_length_are_warned_about_once_a_run(caplog):
     import logging
     from types import SimpleNamespace
@@ -176,6 +201,9 @@ def test_reward_model_inputs_cut_to_max_length_are_warned_about_once_a_run(caplo
             result = rl_trainer.RLTrainer.score(trainer, batch)
     warnings = [record.getMessage() for record in caplog.records if "reward.reward_model.max_length" in
                 record.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("1 of 2 reward-model inputs")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "1 of 2 reward-model inputs were longer than the reward model's limit, data.max_prompt_length + "
+        "data.max_response_length (reward.reward_model.max_length is unset) and lost their end")
+    assert "; set reward.reward_model.max_length above that sum (" in warnings[0]
     assert result.meta["reward_metrics"]["reward_model/truncated"] == 1.0
     assert result["token_level_scores"].sum(-1).tolist() == [1.0, 2.0]
