@@ -27,14 +27,39 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from reinforge.serve.chat import ChatSession, RequestError, error_body
-from reinforge.serve.service import GenerationService
+from reinforge.serve.service import GenerationService, flag
 from reinforge.serve.streaming import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 64 * 1024 * 1024
+ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health"
 SHUTDOWN_GRACE_S = 5.0
 """On close (Ctrl-C), how long requests still being answered may take before they are cancelled."""
+
+
+def http_errors_middleware() -> Any:
+    """aiohttp's own refusals (no such route, a method the route does not take) in OpenAI's error format."""
+    from aiohttp import web
+
+    @web.middleware
+    async def http_errors(request: Any, handler: Any) -> Any:
+        try:
+            return await handler(request)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            where = f"{request.method} {request.path}"
+            if error.status == 404:
+                message = f"there is no route {where}; this server answers {ROUTES}"
+            elif error.status == 405:
+                message = f"{where} is not answered; use {' or '.join(sorted(error.allowed_methods))} on this route"
+            else:
+                message = f"{error.reason} ({where})"
+            headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
+            return web.json_response(error_body(message), status=error.status, headers=headers)
+    return http_errors
 
 
 class OpenAIEndpoint:
@@ -61,10 +86,11 @@ class OpenAIEndpoint:
     def application(self) -> Any:
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[http_errors_middleware()])
         app.router.add_get("/health", self._health)
         for prefix in ("", "/t/{trajectory}"):
             app.router.add_get(prefix + "/v1/models", self._models)
+            app.router.add_get(prefix + "/v1/models/{model:.+}", self._model)
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
         return app
@@ -107,11 +133,25 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [{"id": self.service.model_name, "object": "model",
                                                               "created": 0, "owned_by": "reinforge"}]})
 
+    async def _model(self, request: Any) -> Any:
+        from aiohttp import web
+
+        name = request.match_info["model"]
+        if name != self.service.model_name:
+            return self._error(404, f"model {name!r} is not served here; this server serves "
+                                    f"{self.service.model_name!r}", "invalid_request_error", "model_not_found")
+        return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "reinforge"})
+
     async def _body(self, request: Any) -> dict[str, Any]:
+        from aiohttp import web
+
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise RequestError(f"the request body is not JSON ({error}); send a JSON object") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(f"the request body is over the server's limit of {MAX_BODY_BYTES // (1024 * 1024)} "
+                               "MiB; send a shorter conversation", status=413) from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         return body
@@ -146,7 +186,7 @@ class OpenAIEndpoint:
         async def answer(body: dict[str, Any]) -> Any:
             from aiohttp import web
 
-            if body.get("stream"):
+            if flag(body, "stream"):
                 return await self._stream(request, self.service.chat_stream(body, self._session(request)))
             return web.json_response(await self.service.chat(body, self._session(request)))
         return await self._guarded(request, answer)
@@ -157,7 +197,7 @@ class OpenAIEndpoint:
 
             if self._session(request) is not None:
                 raise RequestError("a trajectory's calls go to /chat/completions; /completions is not recorded")
-            if body.get("stream"):
+            if flag(body, "stream"):
                 return await self._stream(request, self.service.complete_stream(body))
             return web.json_response(await self.service.complete(body))
         return await self._guarded(request, answer)

@@ -83,6 +83,14 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+def flag(body: dict[str, Any], key: str) -> bool:
+    """A request's true/false setting (``stream``, a chat request's ``logprobs``); absent or null is false."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{key}={json.dumps(value)[:80]} is invalid; send true or false")
+    return bool(value)
+
+
 MAX_TOP_LOG_PROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's chat bound, vLLM's default max_logprobs)."""
 
@@ -290,6 +298,7 @@ class GenerationService:
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)
         num_top = _integer(body, "top_logprobs", 0) or 0
+        flag(body, "logprobs")
         if num_top > MAX_TOP_LOG_PROBS:
             raise RequestError(f"top_logprobs={num_top} is out of range; send an integer from 0 to {MAX_TOP_LOG_PROBS}")
         if num_top and not body.get("logprobs"):

@@ -183,6 +183,44 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
         served.close()
 
 
+def test_unknown_routes_wrong_methods_oversized_bodies_and_non_boolean_flags_are_openai_errors(tool_tokenizer,
+                                                                                              monkeypatch):
+    import reinforge.serve.app
+
+    monkeypatch.setattr(reinforge.serve.app, "MAX_BODY_BYTES", 1024 * 1024)
+    served = served_text(tool_tokenizer, "ok")
+    try:
+        def answer(method: str, path: str, body: bytes | None = None) -> tuple[int, dict, dict]:
+            request = urllib.request.Request(served.url + path, body, {"Content-Type": "application/json"},
+                                             method=method)
+            try:
+                with urllib.request.urlopen(request) as response:
+                    return response.status, dict(response.headers), json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                return error.code, dict(error.headers), json.loads(error.read())  # each was text, or a 500
+
+        status, _, body = answer("GET", "/v1/embeddings")
+        assert status == 404 and body["error"]["message"].startswith("there is no route GET /v1/embeddings; this "
+                                                                     "server answers POST /v1/chat/completions")
+        status, headers, body = answer("GET", "/v1/chat/completions")
+        assert status == 405 and headers["Allow"] == "POST"
+        assert body["error"]["message"] == "GET /v1/chat/completions is not answered; use POST on this route"
+        big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (1024 * 1024)}]}).encode()
+        status, _, body = answer("POST", "/v1/chat/completions", big)
+        assert status == 413 and body["error"]["message"] == ("the request body is over the server's limit of 1 "
+                                                              "MiB; send a shorter conversation")
+        client = served.client()
+        for key in ("stream", "logprobs"):  # "false" streamed, as a true value
+            with pytest.raises(openai.BadRequestError, match=f'{key}="false" is invalid; send true or false'):
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                               extra_body={key: "false"})
+        assert client.models.retrieve("scripted").id == "scripted"
+        with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' is not served here"):
+            client.models.retrieve("gpt-4o")
+    finally:
+        served.close()
+
+
 def test_requests_past_the_concurrency_limit_are_answered_429_with_retry_after(tool_tokenizer):
     served = served_text(tool_tokenizer, "ok", max_concurrency=1)
     try:
