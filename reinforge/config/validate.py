@@ -547,9 +547,8 @@ def validate_judge(judge) -> None:
     for key in ("max_tokens", "max_prompt_length"):
         if getattr(judge, key) < 1:
             raise ConfigError(f"reward.judge.{key}={getattr(judge, key)} must be at least 1")
-    if judge.timeout_s <= 0 or judge.temperature < 0:
-        key = "timeout_s" if judge.timeout_s <= 0 else "temperature"
-        raise ConfigError(f"reward.judge.{key}={getattr(judge, key)} must be positive (temperature: 0 or more)")
+    _check_timeout("reward.judge.timeout_s", judge.timeout_s, "seconds the judging of one batch may take")
+    _finite("reward.judge.temperature", judge.temperature, at_least=0.0, fix=" (0: greedy)")
 
 
 def validate_remote(remote) -> None:
@@ -564,7 +563,7 @@ def validate_remote(remote) -> None:
     for key in ("batch_size", "max_concurrency"):
         if getattr(remote, key) < 1:
             raise ConfigError(f"reward.remote.{key}={getattr(remote, key)} must be at least 1")
-    if remote.max_retries < 0 or remote.timeout_s <= 0:
-        raise ConfigError(f"reward.remote.max_retries={remote.max_retries} must be 0 or more and "
-                          f"reward.remote.timeout_s={remote.timeout_s} positive")
+    if remote.max_retries < 0:
+        raise ConfigError(f"reward.remote.max_retries={remote.max_retries} must be 0 or more")
+    _check_timeout("reward.remote.timeout_s", remote.timeout_s, "seconds one request may take in all")
     _finite("reward.remote.fallback_score", remote.fallback_score)

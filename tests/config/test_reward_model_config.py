@@ -28,6 +28,14 @@ ENABLED = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/m
     ([*ENABLED, "reward.reward_model.enable_resource_pool=true", "trainer.backend=ray",
       "reward.reward_model.n_gpus_per_node=0"],
      "reward.reward_model.n_gpus_per_node=0 must be at least 1 (the reward model's own pool)"),
+    (["reward.remote.enable=true", "reward.remote.url=http://localhost:5000/get_reward", "reward.remote.timeout_s=.inf"],
+     "reward.remote.timeout_s=inf must be positive and at most 1000000 (seconds one request may take in all)"),
+    (["reward.judge.enable=true", "reward.judge.model_path=policy", "reward.judge.template='{response} Score:'",
+      "reward.judge.timeout_s=1e12"],
+     "reward.judge.timeout_s=1000000000000.0 must be positive and at most 1000000 (seconds the judging of one batch "
+     "may take)"),
+    (["reward.judge.enable=true", "reward.judge.model_path=policy", "reward.judge.template='{response} Score:'",
+      "reward.judge.temperature=.nan"], "reward.judge.temperature=nan must be a finite number >= 0 (0: greedy)"),
 ])
 def test_reward_model_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError) as error:
