@@ -553,8 +553,9 @@ def validate_judge(judge) -> None:
 
 def validate_remote(remote) -> None:
     """reward.remote: URLs, a protocol, sizes that make sense."""
-    if not remote.url:
-        raise ConfigError("reward.remote.enable=true but reward.remote.url is not set; pass "
+    if not remote.url or not remote.url.replace(",", "").strip():
+        given = f"={remote.url!r} names no endpoint" if remote.url else " is not set"
+        raise ConfigError(f"reward.remote.enable=true but reward.remote.url{given}; pass "
                           "reward.remote.url=http://host:port/get_reward (several: comma-separated)")
     for url in (part.strip() for part in remote.url.split(",")):
         if url and not url.startswith(("http://", "https://")):

@@ -28,6 +28,9 @@ ENABLED = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/m
     ([*ENABLED, "reward.reward_model.enable_resource_pool=true", "trainer.backend=ray",
       "reward.reward_model.n_gpus_per_node=0"],
      "reward.reward_model.n_gpus_per_node=0 must be at least 1 (the reward model's own pool)"),
+    (["reward.remote.enable=true", "reward.remote.url=' , '"],
+     "reward.remote.enable=true but reward.remote.url=' , ' names no endpoint; pass "
+     "reward.remote.url=http://host:port/get_reward (several: comma-separated)"),
     (["reward.remote.enable=true", "reward.remote.url=http://localhost:5000/get_reward", "reward.remote.timeout_s=.inf"],
      "reward.remote.timeout_s=inf must be positive and at most 1000000 (seconds one request may take in all)"),
     (["reward.judge.enable=true", "reward.judge.model_path=policy", "reward.judge.template='{response} Score:'",
