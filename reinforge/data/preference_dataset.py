@@ -107,8 +107,9 @@ def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) 
             raise ValueError(f"{where}: {key!r} is {type(value).__name__} while {keys.chosen!r} is {kind}; give "
                              "every column as text, or every column as chat messages")
         if _is_messages(value):
-            if not value and key != keys.prompt:
-                raise ValueError(f"{where}: {key!r} is an empty list of messages; give the completion's turns")
+            if not value:  # no chat template renders an empty conversation
+                raise ValueError(f"{where}: {key!r} is an empty list of messages; give the "
+                                 f"{'prompt' if key == keys.prompt else 'completion'}'s turns")
             check_chat_messages(value, f"{key!r} of {where}")
         elif not value and key != keys.prompt:
             raise ValueError(f"{where}: {key!r} is an empty string; give the completion's text")

@@ -119,6 +119,9 @@ def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
       "rejected": [{"role": "assistant", "content": "b"}]}, "row 0 of F: 'chosen' is dict \"{'role': 'assistant', "
      "'content': 'a'}\"; give the completion as text or as a list of chat messages, or drop the row"),
     ({"prompt": "Q", "chosen": "a", "rejected": "a"}, "row 0 of F: 'chosen' and 'rejected' are the same"),
+    ({"prompt": [], "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant",
+                                                                                   "content": "b"}]},
+     "row 0 of F: 'prompt' is an empty list of messages; give the prompt's turns"),
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 0 of F: 'margin' is 'big'"),
     ({"chosen": [{"role": "assistant", "content": 3}], "rejected": [{"role": "assistant", "content": "b"}]},
      "message 0 (assistant) of 'chosen' of row 0 of F has a 'content' of type int"),
