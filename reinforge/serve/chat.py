@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import string
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from reinforge.agent.tool_agent import CALL_ID_CHARS, call_id
 from reinforge.agent.tool_parsers import ToolCall, get_tool_parser, reasoning_end
 from reinforge.agent.turn_tokens import ToolMessagesDropped, ToolTurnRenderer
 from reinforge.data.chat_template import template_error_message
@@ -78,6 +81,8 @@ def normalize_message(message: Any) -> dict[str, Any]:
         raise RequestError(f"message role {role!r} is not supported; use system, user, assistant or tool")
     normalized: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                   "content": text_of(message.get("content"))}
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):  # Mistral's template shows (and needs) it
+        normalized["tool_call_id"] = message["tool_call_id"]
     if role == "assistant" and message.get("tool_calls"):
         if not isinstance(message["tool_calls"], list) or not all(isinstance(call, dict) for call in
                                                                    message["tool_calls"]):
@@ -89,15 +94,21 @@ def normalize_message(message: Any) -> dict[str, Any]:
             if not isinstance(function.get("name"), str):
                 raise RequestError("an assistant tool call needs function.name; send the tool_calls the server returned")
             calls.append({"type": "function", "function": {"name": function["name"],
-                                                           "arguments": _arguments(function.get("arguments"))}})
+                                                           "arguments": _arguments(function.get("arguments"))},
+                          **({"id": call["id"]} if isinstance(call.get("id"), str) else {})})
         normalized["tool_calls"] = calls
     return normalized
 
 
+def _without_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: value for key, value in call.items() if key != "id"} for call in calls]
+
+
 def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
-    """Whether an assistant message sent back is the reply the server gave (content up to surrounding space)."""
+    """Whether an assistant message sent back is the reply the server gave (content up to surrounding space; its
+    calls' ids are the ones the answer gave, which the sampled text may not hold)."""
     return (sent["role"] == "assistant" and sent["content"].strip() == returned["content"].strip()
-            and sent.get("tool_calls", []) == returned.get("tool_calls", []))
+            and _without_ids(sent.get("tool_calls", [])) == _without_ids(returned.get("tool_calls", [])))
 
 
 logger = logging.getLogger(__name__)
@@ -177,7 +188,8 @@ class ChatCodec:
         stopped before it (as ``tool_agent`` closes such a turn; not after a token the template writes itself to
         end a turn, Llama 3.1's ``<|eom_id|>``), then the template's increment."""
         closing = self.renderer.closing_ids(record.token_ids, record.finish_reason)
-        turns = [{"role": message["role"], "content": message["content"]} for message in new_messages]
+        turns = [{key: message[key] for key in ("role", "content", "tool_call_id") if key in message}
+                 for message in new_messages]
         return closing + self.renderer.increment(turns)
 
     def prompt_ids(self, session: ChatSession | None, messages: list[dict[str, Any]],
@@ -211,16 +223,27 @@ class ChatCodec:
         return message, calls
 
 
-def openai_message(reply: dict[str, Any]) -> dict[str, Any]:
+ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """A new tool call id of 9 letters and digits: the only kind Mistral's templates take in a tool result."""
+    return "".join(secrets.choice(ID_CHARACTERS) for _ in range(CALL_ID_CHARS))
+
+
+def openai_message(reply: dict[str, Any], tool_turn: int | None = None) -> dict[str, Any]:
     """The reply as OpenAI's API writes it: arguments as JSON strings, each call with an id (the one the model
-    wrote, as Mistral's models write theirs and its template takes no other; else a new one)."""
+    wrote, as Mistral's models write theirs and its template takes no other; else a new one). With ``tool_turn`` (a
+    trajectory's call: the tool turns before its reply), each id is the one ``tool_agent`` gives that call's result,
+    so the tool messages sent back render as ``tool_agent``'s do."""
     message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
     if reply.get("tool_calls"):
         message["content"] = reply["content"] or None
-        message["tool_calls"] = [{"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": call["function"]["name"],
-                                               "arguments": json.dumps(call["function"]["arguments"])}}
-                                 for call in reply["tool_calls"]]
+        message["tool_calls"] = [
+            {"id": call_id(ToolCall(call["function"]["name"], id=call.get("id")), tool_turn, index)
+             if tool_turn is not None else call.get("id") or new_call_id(), "type": "function",
+             "function": {"name": call["function"]["name"], "arguments": json.dumps(call["function"]["arguments"])}}
+            for index, call in enumerate(reply["tool_calls"])]
     return message
 
 

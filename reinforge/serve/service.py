@@ -336,7 +336,8 @@ class GenerationService:
         if finish_reason == "length" and call.cut and cut_at_stop(self._decode(token_ids), call.cut) is not None:
             finish_reason = "stop"  # a client whose engine does not stop at strings (the text still ends there)
         # a reply cut at max_tokens is "length" even after a whole call: the client must not take it for finished
-        choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
+        tool_turn = call.session.tool_turns(call.prompt_ids) if isinstance(call.session, TrajectorySession) else None
+        choice: dict[str, Any] = {"index": index, "message": openai_message(reply, tool_turn),
                                   "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
         if call.body.get("logprobs"):
             choice["logprobs"] = {"content": self._log_probs(completion)}

@@ -120,6 +120,15 @@ class TrajectorySession(ChatSession):
             stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_ids))),
             stop=tuple(dict.fromkeys((*self.sampling.stop, *stop))))
 
+    def tool_turns(self, prompt_ids: list[int]) -> int:
+        """The tool turns of the segment a call with ``prompt_ids`` extends, its own new messages counted (0 for a
+        call that starts a segment): ``tool_agent``'s ``user_turns`` when it reads that call's reply."""
+        segments, _ = assemble_segments(self.records)
+        segment = next((candidate for candidate in reversed(segments) if extends(prompt_ids, candidate)), None)
+        if segment is None:
+            return 0
+        return segment.user_turns + (len(prompt_ids) > len(segment.token_ids))
+
     def output(self) -> AgentLoopOutput:
         """The trained segment as a loop's output (see the module docstring)."""
         if not self.records:

@@ -136,7 +136,8 @@ def test_each_formats_calls_come_back_as_tool_calls_with_the_text_before_them(to
     reply, _ = codec.reply(tool_tokenizer(text, add_special_tokens=False)["input_ids"] + [tool_tokenizer.eos_token_id])
     assert reply == {"role": "assistant", "content": content,
                      "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "2+3"}}}]}
-    assert openai_message(reply)["tool_calls"][0]["id"].startswith("call_")
+    generated = openai_message(reply)["tool_calls"][0]["id"]
+    assert len(generated) == 9 and generated.isascii() and generated.isalnum()
 
 
 def test_a_call_id_the_model_wrote_is_the_one_the_reply_gives(tool_tokenizer):
@@ -145,6 +146,64 @@ def test_a_call_id_the_model_wrote_is_the_one_the_reply_gives(tool_tokenizer):
     text = '[TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2+3"}, "id": "a1B2c3D4e"}]'
     reply, _ = codec.reply(tool_tokenizer(text, add_special_tokens=False)["input_ids"] + [tool_tokenizer.eos_token_id])
     assert [call["id"] for call in openai_message(reply)["tool_calls"]] == ["a1B2c3D4e"]
+
+
+class ScriptedReplies:
+    """Answers the calls with the given token ids in turn, and notes each prompt."""
+
+    def __init__(self, replies: list[list[int]]):
+        self.replies, self.prompts = list(replies), []
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.prompts.append(list(prompt_ids))
+        ids = self.replies.pop(0)
+        return Completion(ids, [-0.25] * len(ids), "stop")
+
+
+@pytest.mark.parametrize("model_id", ["a1B2c3D4e", None])
+def test_a_mistral_tool_result_is_rendered_with_its_call_id_served_or_in_a_trajectory(model_id):
+    """Mistral's template takes a tool result only with its call's 9-character id: the id the endpoint gave must reach
+    it (the result was refused, or a trajectory's next call failed with a 500), and a trajectory's tool turn is the
+    one tool_agent appends."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "agent"))
+    from family_templates import family_tokenizer
+
+    from reinforge.agent.tool_agent import call_id
+    from reinforge.agent.tool_images import tool_message
+    from reinforge.agent.tool_parsers import ToolCall
+    from reinforge.config.schema import MultiTurnConfig
+    from reinforge.rollout.base import SamplingParams
+    from reinforge.serve.trajectories import TrajectorySession
+
+    tokenizer = family_tokenizer("mistral-v0.3")
+    written = f', "id": "{model_id}"' if model_id else ""
+    call = tokenizer(f'[TOOL_CALLS] [{{"name": "calc", "arguments": {{"expr": "2+3"}}{written}}}]',
+                     add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    answer = tokenizer("5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    client = ScriptedReplies([call, answer, call, answer])
+    codec = ChatCodec(tokenizer, tool_format="mistral")
+    service = GenerationService(client, tokenizer, "policy", codec=codec, max_model_len=4096,
+                                eos_token_ids=(tokenizer.eos_token_id,))
+    served = Served(OpenAIEndpoint(service))
+    session = TrajectorySession(SamplingParams(max_tokens=400), MultiTurnConfig())
+    served.endpoint.open_trajectory("m", session)
+    try:
+        for base_url in (served.url + "/v1", served.url + "/t/m/v1"):
+            api = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+            messages = [{"role": "user", "content": "2+3?"}]
+            reply = api.chat.completions.create(model="m", messages=messages, tools=[CALC]).choices[0].message
+            (tool_call,) = reply.tool_calls
+            assert len(tool_call.id) == 9 and tool_call.id.isalnum()
+            messages += [reply.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": tool_call.id, "content": "5"}]
+            assert api.chat.completions.create(model="m", messages=messages, tools=[CALC]).choices[0].message.content \
+                == "5"
+        first, second = session.records
+        assert second.continues == 0
+        result = tool_message("5", (), call_id(ToolCall("calc", id=model_id), 0, 0))
+        assert second.prompt_ids == first.prompt_ids + call + codec.renderer.increment([result])
+    finally:
+        served.close()
 
 
 def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(tool_tokenizer):
