@@ -190,7 +190,10 @@ class ChatCodec:
         closing = self.renderer.closing_ids(record.token_ids, record.finish_reason)
         turns = [{key: message[key] for key in ("role", "content", "tool_call_id") if key in message}
                  for message in new_messages]
-        return closing + self.renderer.increment(turns)
+        try:
+            return closing + self.renderer.increment(turns)
+        except Exception as error:  # the template's raise_exception (a tool result's call id it does not take)
+            raise RequestError(template_error_message(error, "these messages", "--chat-template FILE")) from None
 
     def prompt_ids(self, session: ChatSession | None, messages: list[dict[str, Any]],
                    tools: Any) -> tuple[list[int], int | None]:

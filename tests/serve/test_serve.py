@@ -180,7 +180,7 @@ def test_a_mistral_tool_result_is_rendered_with_its_call_id_served_or_in_a_traje
     call = tokenizer(f'[TOOL_CALLS] [{{"name": "calc", "arguments": {{"expr": "2+3"}}{written}}}]',
                      add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     answer = tokenizer("5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    client = ScriptedReplies([call, answer, call, answer])
+    client = ScriptedReplies([call, answer, call, answer, answer])
     codec = ChatCodec(tokenizer, tool_format="mistral")
     service = GenerationService(client, tokenizer, "policy", codec=codec, max_model_len=4096,
                                 eos_token_ids=(tokenizer.eos_token_id,))
@@ -200,6 +200,9 @@ def test_a_mistral_tool_result_is_rendered_with_its_call_id_served_or_in_a_traje
                 == "5"
         first, second = session.records
         assert second.continues == 0
+        messages[-1]["tool_call_id"] = "call_1"  # one the template refuses: a 400 with its complaint, not a 500
+        with pytest.raises(openai.BadRequestError, match="Tool call IDs should be alphanumeric strings with length 9"):
+            api.chat.completions.create(model="m", messages=messages, tools=[CALC])
         result = tool_message("5", (), call_id(ToolCall("calc", id=model_id), 0, 0))
         assert second.prompt_ids == first.prompt_ids + call + codec.renderer.increment([result])
     finally:
