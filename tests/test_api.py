@@ -836,6 +836,8 @@ def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(t
     assert [row["step"] for row in trainer.state.log_history] == [2, 4, 4]
     assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]  # reinforge's own steps are generations
     assert [row["completions/seen"] for row in read_metrics(tmp_path)] == [8.0, 8.0]
+    assert trainer.train().global_step == 4  # a second train() of a finished run trains nothing, and says so
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
 
 
 def test_a_callback_that_sets_should_training_stop_ends_the_run_after_that_step(tmp_path, tiny_model_dir):
@@ -855,6 +857,10 @@ def test_a_callback_that_sets_should_training_stop_ends_the_run_after_that_step(
     assert output.global_step == trainer.state.global_step == 2
     assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002"]  # as at its end
+    output = trainer.train()  # a second train() goes on from the stop, logged and saved as the first
+    assert output.global_step == trainer.state.global_step == 5
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert [row["step"] for row in trainer.state.log_history if "loss" in row] == [1, 2, 3, 4, 5]
 
 
 def test_trl_logs_name_the_rl_metrics_as_trl_does():

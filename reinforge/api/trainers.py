@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import shutil
@@ -86,24 +87,38 @@ class _Trainer:
 
     def _start_callbacks(self, callbacks: Any) -> None:
         """``state`` as the run stands, and the callbacks hooked into its tracker (``on_init_end`` called)."""
-        from reinforge.api.callbacks import (
-            CallbackBackend,
-            CallbackHandler,
-            callback_objects,
-            logged_history,
-            make_state,
-        )
+        from reinforge.api.callbacks import CallbackHandler, callback_objects, logged_history, make_state
 
         self._loaded_model: tuple[int, Any] | None = None
+        self._fitted = False
         self.state = make_state(int(getattr(self.trainer, "total_steps", 0) or 0) * self.updates,
                                 logged_history(self.output_dir, self._trained_steps(), self.updates))
         self.callback_handler = CallbackHandler(callback_objects(callbacks), self.args, self.state)
+        self._hook_callbacks()
+        self.callback_handler.call("on_init_end")
+
+    def _hook_callbacks(self) -> None:
+        """The callbacks into ``self.trainer``'s tracker, and its stop into their ``control``."""
+        from reinforge.api.callbacks import CallbackBackend
+
         tracker = getattr(self.trainer, "tracker", None)
         if tracker is not None:
             tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler, self.updates)
         if self.trainer is not None:
             self.trainer.stop_requested = self.callback_handler.stop_requested
-        self.callback_handler.call("on_init_end")
+
+    def _make_trainer(self) -> Any:
+        """reinforge's trainer of ``self.config``."""
+        raise NotImplementedError
+
+    def _fresh_trainer(self) -> None:
+        """A trainer of the run again, for a ``train()`` after another: a finished ``fit`` has shut its workers,
+        closed its tracker and released the run folder. It resumes from the latest checkpoint, as TRL's second
+        ``train()`` goes on from the weights the first left; a callback's stop of the last call is cleared."""
+        self.config = copy.deepcopy(self._given_config)  # a trainer fills in what it plans (micro-batches...)
+        self.trainer = self._make_trainer()
+        self.callback_handler.control.should_training_stop = False
+        self._hook_callbacks()
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Run the training (resuming where ``output_dir`` holds a checkpoint); TRL's ``TrainOutput``. A model given
@@ -116,7 +131,15 @@ class _Trainer:
             raise ValueError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): reinforge resumes from "
                              "output_dir's latest checkpoint; to start over or resume another checkpoint, make the "
                              "trainer with overrides={'trainer.resume': 'never'} (or the checkpoint's path)")
+        if self._fitted:
+            self._fresh_trainer()
+        self._fitted = True
         first_step = self._trained_steps()
+        total = int(getattr(self.trainer, "total_steps", 0) or 0)
+        if total and first_step >= total:
+            logger.warning("%s holds a run already at step %d of its %d; train() has nothing left to train (raise "
+                           "max_steps or num_train_epochs, or give another output_dir)", self.output_dir,
+                           first_step * self.updates, total * self.updates)
         self.state.max_steps = int(getattr(self.trainer, "total_steps", 0) * self.updates or self.state.max_steps)
         self.callback_handler.call("on_train_begin")
         started = time.perf_counter()
@@ -278,11 +301,18 @@ class GRPOTrainer(_Trainer):
             # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
             prompt_sets = whole_prompts(self.config)
         validate_config(self.config)
-        from reinforge.trainer.rl_trainer import RLTrainer, optimizer_steps_per_step
+        from reinforge.trainer.rl_trainer import optimizer_steps_per_step
 
-        self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions, prompt_sets=prompt_sets)
+        self._prompt_sets = prompt_sets
+        self._given_config = copy.deepcopy(self.config)
+        self.trainer = self._make_trainer()
         self.updates = optimizer_steps_per_step(self.config)
         self._start_callbacks(callbacks)
+
+    def _make_trainer(self) -> Any:
+        from reinforge.trainer.rl_trainer import RLTrainer
+
+        return RLTrainer(self.config, reward_functions=self.reward_functions, prompt_sets=self._prompt_sets)
 
 
 class _SupervisedTrainer(_Trainer):
@@ -332,8 +362,12 @@ class _SupervisedTrainer(_Trainer):
                             f"{type(self).__name__}'s settings")
         _check_train_data(self.config, type(self).__name__)
         _load(self.VALIDATE)(self.config)
-        self.trainer = _load(self.TRAINER)(self.config)
+        self._given_config = copy.deepcopy(self.config)
+        self.trainer = self._make_trainer()
         self._start_callbacks(callbacks)
+
+    def _make_trainer(self) -> Any:
+        return _load(self.TRAINER)(self.config)
 
     def _rows(self, dataset: Any) -> Any:
         return dataset
