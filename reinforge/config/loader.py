@@ -292,6 +292,12 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
             # as the word None
             raise ConfigError(f"{dotted}='None' ({source}) is the text None, not no value; write null for that "
                               f"({dotted}=null, or {dotted.rpartition('.')[2]}: null in YAML)")
+        if isinstance(value, bool) and _unwrap_optional(known.get(dotted)) is str:
+            # OmegaConf would keep the text 'True': reward.judge.yes_token: Yes read the judge's probability of True
+            raise ConfigError(f"{dotted} ({source}) was read as the boolean {str(value).lower()}, where text goes: YAML "
+                              "reads yes, no, on, off, true and false so unless quoted; quote the text, e.g. "
+                              f"{dotted}=\"'{'Yes' if value else 'No'}'\" on the command line, or "
+                              f"{dotted.rpartition('.')[2]}: \"{'Yes' if value else 'No'}\" in YAML")
         if (_unwrap_optional(known.get(dotted)) is bool and isinstance(value, int | float) and not isinstance(value, bool)
                 and value not in (0, 1)):  # OmegaConf reads any other number as true (data.shuffle=2, enable: 5)
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: write true or false")

@@ -540,6 +540,9 @@ def validate_judge(judge) -> None:
     if judge.parse == "marker" and not judge.marker:
         raise ConfigError("reward.judge.parse=marker needs reward.judge.marker, the text the score follows "
                           "(e.g. 'Score:')")
+    if judge.parse == "yes_no" and judge.yes_token == judge.no_token:
+        raise ConfigError(f"reward.judge.yes_token and reward.judge.no_token are both {judge.yes_token!r}, so every "
+                          "score would be 0.5; give the judge's two answers (e.g. 'Yes' and 'No')")
     _finite("reward.judge.scale", judge.scale)
     if judge.scale == 0:
         raise ConfigError("reward.judge.scale=0 would divide every score by zero; use 1 to keep the judge's numbers")

@@ -46,6 +46,25 @@ def test_reward_model_settings_that_cannot_work_are_refused(overrides, message):
     assert str(error.value) == f"{message} ({message.split('=')[0]}: command line)"  # where the key was set
 
 
+def test_the_judges_answer_tokens_are_text_never_yamls_booleans_and_differ(tmp_path):
+    judge = ["reward.judge.enable=true", "reward.judge.model_path=policy", "reward.judge.template='{response} Right?'",
+             "reward.judge.parse=yes_no"]
+    with pytest.raises(ConfigError) as error:  # OmegaConf kept the text 'True': the judge's p(True) was the score
+        load_config(None, [*judge, "reward.judge.yes_token=Yes"])
+    assert str(error.value).startswith("reward.judge.yes_token (command line) was read as the boolean true, where text "
+                                       "goes: YAML reads yes, no, on, off, true and false so unless quoted; quote the "
+                                       "text, e.g. reward.judge.yes_token=\"'Yes'\" on the command line")
+    run = tmp_path / "judge.yaml"
+    run.write_text("reward:\n  judge:\n    no_token: No\n")
+    with pytest.raises(ConfigError, match=r"^reward.judge.no_token \(from judge.yaml\) was read as the boolean false"):
+        load_config(run, judge)
+    assert load_config(None, [*judge, "reward.judge.yes_token='Yes'"]).reward.judge.yes_token == "Yes"
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*judge, "reward.judge.no_token='Yes'"])
+    assert str(error.value).startswith("reward.judge.yes_token and reward.judge.no_token are both 'Yes', so every "
+                                       "score would be 0.5; give the judge's two answers (e.g. 'Yes' and 'No')")
+
+
 def test_a_reward_model_with_a_combination_loads():
     config = load_config(None, [*ENABLED, "reward.combine.mode=gate", "reward.combine.gate_threshold=0.5",
                                 "reward.reward_model.input_tokenizer=null"])
