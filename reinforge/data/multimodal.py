@@ -338,10 +338,29 @@ def render_with_images(processor: Any, prompt: list[dict[str, Any]] | str, num_i
                                add_generation_prompt=add_generation_prompt, tools=tools or None)
 
 
+def check_image_places(num_places: int, num_images: int, token: str) -> None:
+    """One line (its row named by the caller) when the rendered text holds another number of the image token
+    ``token`` than the row has images: text of the row's own that spells the token would take an image's place,
+    and a chat template that renders no image part (images without placeholders go to the first user message:
+    a conversation without one) would drop the image unseen."""
+    if num_places == num_images:
+        return
+    if num_places > num_images:
+        raise ValueError(f"its rendered text holds {num_places} {token!r} tokens for its {num_images} image(s): its "
+                         f"own text spells {num_places - num_images} {token!r}, the model's image token, which "
+                         "would take an image's place; remove or reword that text")
+    raise ValueError(f"its rendered text holds {num_places} {token!r} tokens for its {num_images} image(s): the "
+                     f"chat template rendered no place for {num_images - num_places} of them (images without a "
+                     "placeholder open the first user message: give the row one, or one placeholder per image; a "
+                     "data.chat_template must render {'type': 'image'} content parts)")
+
+
 def process_text_and_images(processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, Tensor]]:
     """The processor's token ids for ``text`` (its image pad tokens expanded) and the images' inputs."""
     if not images:
         return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), {}
+    token = getattr(processor, "image_token", None) or "<|image_pad|>"
+    check_image_places(text.count(token), len(images), token)
     outputs = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
     return outputs["input_ids"][0].tolist(), {"pixel_values": outputs["pixel_values"],
                                               "image_grid_thw": outputs["image_grid_thw"]}

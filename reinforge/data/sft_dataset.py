@@ -76,6 +76,7 @@ from reinforge.data.chat_template import (
 from reinforge.data.files import as_list, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
+    check_image_places,
     image_inputs,
     images_refused,
     load_image,
@@ -392,10 +393,12 @@ class SFTDataset:
 def expand_image_tokens(example: SFTExample, processor: Any, images: Sequence[Any], sources: tuple) -> SFTExample:
     """The conversation with each image's pad token repeated once per merged patch of the image, as the processor
     expands it (those tokens are not trained)."""
+    pad_id = processor.image_token_id
+    check_image_places(example.input_ids.count(pad_id), len(images),
+                       getattr(processor, "image_token", None) or "<|image_pad|>")
     grids = image_inputs(processor, images)["image_grid_thw"]
     merge = processor.image_processor.merge_size
     counts = iter((grids.prod(-1) // (merge * merge)).tolist())
-    pad_id = processor.image_token_id
     input_ids, loss_mask = [], []
     for token, trained in zip(example.input_ids, example.loss_mask, strict=True):
         repeat = next(counts) if token == pad_id else 1

@@ -185,6 +185,11 @@ def test_images_without_placeholders_open_the_first_user_message():
      r"^row 0 of .*, column 'images': image 1 of 2 is null, and each entry is the image of one placeholder"),
     ({**trl_row(None), "image": None, "images": [None, png((1, 2, 3))]},
      r"^row 0 of .*, column 'images': image 0 of 2 is null"),
+    (verl_row([png((1, 2, 3))], text="<image>what is <|image_pad|>?"),
+     r"^row 0 of .*: its rendered text holds 2 '<\|image_pad\|>' tokens for its 1 image\(s\): its own text spells 1"),
+    ({"prompt": [{"role": "system", "content": "count"}], "images": [png((1, 2, 3))]},
+     r"^row 0 of .*: its rendered text holds 0 '<\|image_pad\|>' tokens for its 1 image\(s\): the chat template "
+     "rendered no place for 1 of them"),
 ])
 def test_broken_rows_fail_at_load_naming_the_row(tmp_path, processor, row, message):
     path = tmp_path / "train.parquet"
@@ -286,6 +291,23 @@ def test_sft_refuses_a_null_image_and_keeps_text_only_rows(tmp_path, processor):
     assert [example.images for example in dataset.examples] == [(), ()]
     pq.write_table(pa.Table.from_pylist([{"messages": conversation, "images": [None, png((255, 0, 0))]}]), path)
     with pytest.raises(ValueError, match=r"^row 0 of .*, column 'images': image 0 of 2 is null"):
+        SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "<|image_pad|> 3"}],
+     r"holds 2 '<\|image_pad\|>' tokens for its 1 image\(s\): its own text spells 1"),
+    ([{"role": "system", "content": "count"}, {"role": "assistant", "content": "3"}],
+     r"holds 0 '<\|image_pad\|>' tokens for its 1 image\(s\): the chat template rendered no place for 1 of them"),
+])
+def test_sft_refuses_an_image_without_its_place_in_the_text(tmp_path, processor, messages, message):
+    """Text spelling the image token would take an image's place; an image the template gives no place (no
+    placeholder and no user message to open) would be trained on unseen."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    path = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": messages, "images": [png((255, 0, 0))]}]), path)
+    with pytest.raises(ValueError, match=rf"^row 0 of .*: its rendered text {message}"):
         SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
 
 
