@@ -131,10 +131,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def serve_main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def check_args(args: argparse.Namespace) -> None:
+    """One ValueError for a setting no request could be answered with, before the model loads."""
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: allow at least 1 request at a time")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: a request without max_tokens could sample nothing; give "
+                         "at least 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len {args.max_model_len}: a prompt and its reply need at least 2 tokens; give "
+                         "the tokens a request may hold, or leave it out for the model's context")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: give a fraction of the "
+                         "accelerator's memory above 0 and at most 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: give a TCP port from 0 (any free one) to 65535")
+
+
+def serve_main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    check_args(args)
     try:
         import aiohttp  # noqa: F401
     except ImportError:

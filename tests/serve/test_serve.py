@@ -746,3 +746,18 @@ def test_a_stopped_server_ends_the_hf_backends_call_under_way_at_its_next_token(
             break
         time.sleep(0.05)
     assert len(replies) == 1 and isinstance(replies[0], Exception), "no reply, whole or cut, reaches the client"
+
+
+@pytest.mark.parametrize("flag, value, wanted", [
+    ("--max-tokens", "0", "--max-tokens 0: a request without max_tokens could sample nothing"),
+    ("--max-model-len", "-5", "--max-model-len -5: a prompt and its reply need at least 2 tokens"),
+    ("--gpu-memory-utilization", "5", "--gpu-memory-utilization 5.0: give a fraction"),
+    ("--port", "70000", "--port 70000: give a TCP port"),
+])
+def test_serve_settings_no_request_could_use_are_refused_before_the_model_loads(tmp_path, flag, value, wanted):
+    """Each was taken: the model loaded, then every request without max_tokens failed with a 500 (or the engine
+    failed to start)."""
+    from reinforge.serve.command import serve_main
+
+    with pytest.raises(ValueError, match="^" + wanted):
+        serve_main([str(tmp_path / "no_model_here"), flag, value])
