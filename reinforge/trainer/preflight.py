@@ -365,14 +365,19 @@ def check_reward_model_settings(config: Config) -> RewardInputs | None:
     check_reward_model(settings.model_path, settings.trust_remote_code)
     if settings.max_length is not None:
         warn_if_beyond_context(settings.model_path, settings.max_length, "reward.reward_model.max_length")
-    else:
-        warn_if_beyond_context(settings.model_path, config.data.max_prompt_length + config.data.max_response_length,
-                               "the reward model's input, data.max_prompt_length + data.max_response_length",
-                               fix="reward.reward_model.max_length is unset, so the reward model reads that many; set "
-                                   "it to {limit} or fewer (a longer input loses its end, counted in "
-                                   "reward_model/truncated), or lower data.max_prompt_length + "
-                                   "data.max_response_length to {limit} or fewer")
-    return build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
+        return build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
+    fix = ("reward.reward_model.max_length is unset, so the reward model reads that many; set it to {limit} or fewer "
+           "(a longer input loses its end, counted in reward_model/truncated), or lower data.max_prompt_length + "
+           "data.max_response_length")
+    lengths = config.data.max_prompt_length + config.data.max_response_length
+    source = "the reward model's input, data.max_prompt_length + data.max_response_length"
+    warned = warn_if_beyond_context(settings.model_path, lengths, source, fix=fix + " to {limit} or fewer")
+    inputs = build_reward_inputs(config)
+    if not warned and inputs.max_length > lengths:  # with the tokens its template writes after a finished turn
+        warn_if_beyond_context(settings.model_path, inputs.max_length,
+                               f"{source}, plus the {inputs.max_length - lengths} token(s) the chat template writes "
+                               "after a finished turn", fix=fix + " below {limit}")
+    return inputs
 
 
 def check_reward_model_renders(inputs: RewardInputs, datasets: Sequence[RLDataset], path: str) -> None:

@@ -179,6 +179,11 @@ def test_a_reward_model_with_a_learned_position_table_shorter_than_the_unset_lim
     assert str(refusal.value).startswith("the reward model's input, data.max_prompt_length + data.max_response_length "
                                          "= 72 tokens, more than the 64 positions")
     check_reward_model_settings(load_config(None, [*settings, "reward.reward_model.max_length=64"]))
+    # 56 + 8 tokens fit the table, but the unset limit has room for the newline ChatML writes after a finished turn
+    with pytest.raises(ValueError, match=r"^the reward model's input, data.max_prompt_length \+ "
+                                         r"data.max_response_length, plus the 1 token\(s\) the chat template writes "
+                                         r"after a finished turn = 65 tokens, more than the 64 positions"):
+        check_reward_model_settings(load_config(None, [*settings, "data.max_prompt_length=56"]))
 
 
 def test_reward_model_inputs_cut_to_max_length_are_warned_about_once_a_run(caplog):
