@@ -163,6 +163,20 @@ def test_prompts_that_differ_only_in_their_image_share_no_cached_blocks(vlm):
     assert engine.runner.multimodal.num_images_encoded == encoded_before
 
 
+def test_a_kept_prefix_names_images_of_bfloat16_pixels(vlm):
+    """Pixel values in bfloat16 (as a caller that casts the processor's outputs to the model's dtype sends them):
+    a request that keeps its prefix names its images by their bytes, which numpy cannot read as bfloat16."""
+    model, processor = vlm
+    engine = make_engine(model)
+    inputs = encode(processor, 1, seed=1)
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    [[plain]] = engine.generate([request_of(inputs, sampling)])
+    [[kept]], [[again]] = (engine.generate([request_of(inputs, sampling, keep_prefix=True)]) for _ in range(2))
+    assert kept.token_ids == again.token_ids == plain.token_ids
+    assert engine.counts()["rollout/prefix_cache_hit_tokens"] > 0
+
+
 def test_preempted_sequences_recompute_with_their_images(vlm):
     model, processor = vlm
     encoded = [encode(processor, count, seed=20 + count) for count in (2, 1, 2)]

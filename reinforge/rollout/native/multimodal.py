@@ -328,7 +328,7 @@ class MultimodalPrompt:
                 digest = hashlib.blake2b(digest_size=8)
                 digest.update(np.asarray(span.grid_thw, dtype=np.int64).tobytes())
                 patches = self.pixel_values[span.patch_start:span.patch_start + span.num_patches]
-                digest.update(patches.detach().cpu().contiguous().numpy().tobytes())
+                digest.update(patches.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())  # any dtype: bf16 too
                 key = image_key_id(digest.digest())
             else:
                 key = image_key_id(hashlib.blake2b(f"request {request_number} image {number}".encode(),
