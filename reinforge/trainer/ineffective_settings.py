@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from reinforge.algorithms import ADVANTAGE_ESTIMATORS
 from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config
 from reinforge.config.sft_schema import SFTConfig
@@ -35,6 +36,19 @@ def _loss_params(mode: str, *names: str) -> IgnoredWhen:
                        lambda config: config.actor.policy_loss.loss_mode != mode,
                        f"they are parameters of actor.policy_loss.loss_mode={mode}",
                        f"set actor.policy_loss.loss_mode={mode}")
+
+
+def _estimator_params(keys: tuple[str, ...], readers: tuple[str, ...], use: str) -> IgnoredWhen:
+    """``keys`` are read by the built-in estimators ``readers`` alone; an estimator registered elsewhere (a plugin)
+    may read them, so it never warns."""
+    def applies(config: Any) -> bool:
+        name = config.algorithm.adv_estimator
+        estimator = ADVANTAGE_ESTIMATORS.get(name)
+        built_in = estimator is not None and estimator.compute.__module__.startswith("reinforge.algorithms.")
+        return built_in and name not in readers
+
+    return IgnoredWhen(keys, applies, f"only the {', '.join(readers)} estimators {use}",
+                       f"set algorithm.adv_estimator={readers[0]}")
 
 
 def _optim_params(prefix: str, when: Callable[[Any], bool] = lambda config: True) -> list[IgnoredWhen]:
@@ -86,6 +100,11 @@ IGNORED_WHEN: list[IgnoredWhen] = [
                 "with LoRA the reference is the actor itself with its adapters off", "use the actor's settings"),
     IgnoredWhen(("algorithm.lam",), lambda config: config.algorithm.adv_estimator != "gae",
                 "only GAE reads lambda", "set algorithm.adv_estimator=gae"),
+    _estimator_params(("algorithm.gamma",), ("gae", "reinforce_plus_plus"), "discount returns"),
+    _estimator_params(("algorithm.norm_adv_by_std", "algorithm.grpo_epsilon"), ("grpo", "gdpo", "grpo_passk"),
+                      "divide by a group's std"),
+    IgnoredWhen(("algorithm.grpo_epsilon",), lambda config: not config.algorithm.norm_adv_by_std,
+                "algorithm.norm_adv_by_std is false, so no group std is divided by", "set algorithm.norm_adv_by_std=true"),
     IgnoredWhen(("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_weights"),
                 lambda config: config.algorithm.adv_estimator != "gdpo", "only the gdpo estimator reads them",
                 "set algorithm.adv_estimator=gdpo"),

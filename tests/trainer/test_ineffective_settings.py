@@ -34,6 +34,9 @@ WARNED = [
     ("ref.max_tokens_per_micro_batch=4096", ["actor.use_kl_loss=true", "model.lora.rank=8"],
      "with LoRA the reference is the actor itself"),
     ("algorithm.lam=0.95", [], "only GAE reads lambda"),
+    ("algorithm.gamma=0.99", [], "only the gae, reinforce_plus_plus estimators discount returns"),
+    ("algorithm.norm_adv_by_std=false", ["algorithm.adv_estimator=rloo"], "estimators divide by a group's std"),
+    ("algorithm.grpo_epsilon=1e-4", ["algorithm.norm_adv_by_std=false"], "algorithm.norm_adv_by_std is false"),
     ("algorithm.gdpo_reward_keys=[acc]", [], "only the gdpo estimator reads them"),
     ("algorithm.gdpo_reward_weights=[1.0]", [], "only the gdpo estimator reads them"),
     ("rollout.kv_cache_gib=4", ["rollout.name=hf"], "settings of the native engine and rollout.name is hf"),
@@ -163,3 +166,17 @@ def test_a_run_warns_at_start_about_validation_that_never_runs_and_an_unused_kl_
         "data.val_files, or remove trainer.test_every",
         "actor.kl_loss_coef=5.0 has no effect: actor.use_kl_loss is false; set actor.use_kl_loss=true, or remove "
         "actor.kl_loss_coef"]
+
+
+def test_an_estimator_registered_outside_reinforge_may_read_the_discount(monkeypatch):
+    from reinforge.algorithms import ADVANTAGE_ESTIMATORS
+    from reinforge.algorithms.advantages import AdvantageEstimator
+
+    def discounted(**_):
+        raise NotImplementedError
+
+    discounted.__module__ = "my_estimators"
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS, "my_discounted", AdvantageEstimator(discounted))
+    config = Config()
+    config.algorithm.adv_estimator, config.algorithm.gamma = "my_discounted", 0.99
+    assert ineffective_settings(config) == []
