@@ -180,7 +180,7 @@ class RLTrainer(TrainingRun):
         config, algorithm = self.config, self.config.algorithm
         failure = failed_tools(batch["tool_call_counts"]) if "tool_call_counts" in batch else None
         if failure is not None:
-            self._log_samples(batch)  # they show the tools' error messages
+            self._log_samples(batch, skipped=True)  # they show the tools' error messages
             raise StepSkipped(failure, metrics | {f"timing_s/{key}": value for key, value in timing.items()}
                               | batch.meta.get("rollout_metrics", {}), can_redo=self.mode is None)
         batch = self._add_log_probs(batch, timing)
@@ -359,7 +359,10 @@ class RLTrainer(TrainingRun):
         scores = self.score(greedy)["token_level_scores"].sum(-1)
         return scores.repeat_interleave(self.config.rollout.n)
 
-    def _log_samples(self, batch: Batch) -> None:
+    def _log_samples(self, batch: Batch, skipped: bool = False) -> None:
+        """``num_logged_samples`` rows of ``batch`` into samples.jsonl, under the step it trains. A skipped attempt's
+        rows (its redo logs that step's rows again) carry ``"skipped_step": true``, as its metrics row carries
+        ``training/skipped_step``."""
         count = min(self.config.trainer.num_logged_samples, len(batch))
         if count == 0:
             return
@@ -371,7 +374,7 @@ class RLTrainer(TrainingRun):
                 :batch["prompts"].shape[1]].bool()]),
                 "response": self.tokenizer.decode(batch["responses"][index][:length]),
                 "score": float(batch["token_level_scores"][index].sum()),
-                "ground_truth": str(batch["ground_truth"][index])})
+                "ground_truth": str(batch["ground_truth"][index])} | ({"skipped_step": True} if skipped else {}))
         self.tracker.log_samples(self.step + 1, rows)  # the step this batch trains; the counter moves after it
 
     # ---- validation -------------------------------------------------------------------

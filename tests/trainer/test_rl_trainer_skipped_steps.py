@@ -127,6 +127,10 @@ def test_steps_whose_tools_failed_leave_weights_and_optimizer_as_an_uninterrupte
                                                                                            (2, 0.0)]
     skipped = records[1]
     assert skipped["agent/tool_raised"] == skipped["agent/tool_errors"] > 0 and "actor/grad_norm" not in skipped
+    samples = [json.loads(line) for line in (outage / "run" / "samples.jsonl").read_text().splitlines()]
+    # the skipped attempts' samples are told apart from those step 2 trained
+    assert [(row["step"], row.get("skipped_step", False)) for row in samples] == [
+        (1, False)] * 4 + [(2, True)] * 8 + [(2, False)] * 4
     assert int((outage / "scored").read_text()) == 4 * SAMPLES_PER_STEP  # step 2's prompts were generated thrice
 
 
