@@ -146,6 +146,29 @@ def check_args(args: argparse.Namespace) -> None:
                          "accelerator's memory above 0 and at most 1")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: give a TCP port from 0 (any free one) to 65535")
+    check_port_free(args.host, args.port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """One ValueError when ``host:port`` cannot be listened on (another server holds it, or the host is not this
+    machine's), before the model loads: aiohttp would say so only once the weights were in memory."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host}: not an address this machine can listen on ({error.strerror}); give an "
+                         "address such as 127.0.0.1 or 0.0.0.0") from None
+    family, kind, protocol, _, address = infos[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: a closing socket is no owner
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ValueError(f"--port {port}: {host}:{port} cannot be listened on ({error.strerror}); stop the "
+                             "server that holds it, or give another --port (0 takes any free one)") from None
 
 
 def serve_main(argv: list[str]) -> int:

@@ -761,3 +761,17 @@ def test_serve_settings_no_request_could_use_are_refused_before_the_model_loads(
 
     with pytest.raises(ValueError, match="^" + wanted):
         serve_main([str(tmp_path / "no_model_here"), flag, value])
+
+
+def test_a_port_another_server_holds_is_refused_before_the_model_loads(tmp_path):
+    """It used to be said only after the model had loaded."""
+    import socket
+
+    from reinforge.serve.command import serve_main
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        with pytest.raises(ValueError, match=f"^--port {port}: 127.0.0.1:{port} cannot be listened on .*another --port"):
+            serve_main([str(tmp_path / "no_model_here"), "--host", "127.0.0.1", "--port", str(port)])
