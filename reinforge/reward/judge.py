@@ -58,7 +58,15 @@ def problem_text(raw_prompt: Any) -> str:
 def render(template: str, prompt: str, response: str, ground_truth: Any) -> str:
     """The judge's prompt text for one sample."""
     values = {"prompt": prompt, "response": response, "ground_truth": "" if ground_truth is None else str(ground_truth)}
-    return _TEMPLATE_FIELD.sub(lambda match: values[match.group(1)], template).replace("{{", "{").replace("}}", "}")
+    pieces, end = [], 0
+    for match in _TEMPLATE_FIELD.finditer(template):  # only the template's own text has {{ and }} to unescape
+        pieces += [_unescaped(template[end:match.start()]), values[match.group(1)]]
+        end = match.end()
+    return "".join(pieces) + _unescaped(template[end:])
+
+
+def _unescaped(text: str) -> str:
+    return text.replace("{{", "{").replace("}}", "}")
 
 
 def _last_boxed(text: str) -> str | None:

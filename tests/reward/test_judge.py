@@ -60,6 +60,9 @@ def test_templates_name_known_fields_and_show_the_response(tmp_path):
         check_template("{prompt}", "t")
     assert render("Q={prompt} A={response} R={ground_truth} {{x}}", "1+1", "2", 2) == "Q=1+1 A=2 R=2 {x}"
     assert render("{response}|{ground_truth}", "", "r", None) == "r|"
+    # the sample's own braces reach the judge as written (a Jinja or f-string answer, LaTeX's {{)
+    assert render("{{{{ {prompt} | {response} | {ground_truth} }}", "f'{{x}}'", "{{ name }}", "a}}b") == \
+        "{{ f'{{x}}' | {{ name }} | a}}b }"
     path = tmp_path / "judge.txt"
     path.write_text("Judge {response}")
     assert read_template(str(path)) == "Judge {response}"
