@@ -40,6 +40,9 @@ DEFAULT_RETRY_BUDGET_S = 300.0
 longest run timeout (60 s) drains in 64 x 60 / slots seconds, under 300 with 16 slots or more."""
 DEFAULT_MAX_IN_FLIGHT = 64
 """Requests one process keeps at one sandbox URL at once: our server's default queue length."""
+LONGEST_WAIT_S = 1e9
+"""A call's deadline is at most this far off (about 30 years): a retry budget or timeout of 1e10 s, or infinity,
+means "wait as long as it takes", and past about 9.2e9 s a lock's or a socket's timeout overflows."""
 
 _in_flight: dict[str, threading.BoundedSemaphore] = {}
 _in_flight_lock = threading.Lock()
@@ -136,6 +139,7 @@ class SandboxClient:
         started = time.monotonic()
         if timeout_s is None:
             timeout_s = self.retry_budget_s + request.run_timeout + request.compile_timeout + self.timeout_slack_s
+        timeout_s = min(timeout_s, LONGEST_WAIT_S)
         deadline = started + timeout_s
         retry_until = started + self.retry_budget_s
         payload = json.dumps(request.to_json()).encode()

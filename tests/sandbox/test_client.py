@@ -162,6 +162,17 @@ def test_retry_after_is_waited_for_and_the_budget_ends_the_call():
     assert "retry budget 2.5s" in response.message
 
 
+@pytest.mark.parametrize("budget_s", [1e10, float("inf")])
+def test_a_budget_of_forever_waits_instead_of_overflowing(budget_s):
+    """A retry budget past what a lock's or a socket's timeout can hold means "as long as it takes"."""
+    def reply(connection: socket.socket) -> None:
+        connection.recv(65536)
+        _answer_ok(connection)
+
+    response = SandboxClient(_fake_server(reply), retry_budget_s=budget_s).run_code("print(1)")
+    assert response.status == "Success" and response.run_result.stdout == "ok\n", response.message
+
+
 def test_clients_of_one_url_share_one_limit_on_requests_in_flight():
     """Each tool of a run makes its own client: together they keep max_in_flight requests at the server, not each."""
     in_flight, most = [0], [0]
