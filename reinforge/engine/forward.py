@@ -47,7 +47,7 @@ from reinforge.models.reward_model import score_head
 from reinforge.models.signatures import takes_position_ids
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language, vision_tower
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
 _NO_MASK = {"full_attention": None, "sliding_attention": None}
 """Precomputed masks of the usual layer types: none, the varlen kernel keeps sequences apart (and applies
@@ -200,6 +200,11 @@ def _padded_forward(model: nn.Module, micro: Batch, **extra):
     model's ``forward`` names them, as transformers' ``generate`` hands them over, so training reads the
     probabilities the rollout samples from.
     """
+    images = micro.non_tensors.get(MULTI_MODAL_KEY)
+    if images is not None and any(images):  # the padded rows would run without their pixels and M-RoPE positions
+        raise ValueError(f"{type(model).__name__} takes rows with images through the packed pass only, and its "
+                         "attention is not reinforge's varlen one; call engine.fused.prepare_for_training(model, "
+                         "device) on it first, as every worker does")
     attention_mask = micro["attention_mask"]
     position_ids = micro["position_ids"] if "position_ids" in micro.keys() else build_position_ids(attention_mask)
     if position_ids.dim() != 2:

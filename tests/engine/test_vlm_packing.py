@@ -130,6 +130,14 @@ def test_packed_loss_and_gradients_equal_the_padded_forward(arch, train_vision):
     assert all(grad is not None for grad in tower_grads) if train_vision else all(grad is None for grad in tower_grads)
 
 
+def test_a_model_left_on_its_own_attention_refuses_rows_with_images():
+    """Without reinforge's varlen attention a model's rows run padded, which would drop their pixels and M-RoPE
+    positions and score the image tokens as text."""
+    batch = vlm_batch(build_tiny_processor("qwen2_5_vl"), samples=1)
+    with pytest.raises(ValueError, match="takes rows with images through the packed pass only.*prepare_for_training"):
+        response_log_probs(build_tiny_vlm("qwen2_5_vl"), attach_plan(batch))
+
+
 def test_same_text_with_other_images_is_another_prompt():
     processor = build_tiny_processor("qwen2_5_vl")
     batch = vlm_batch(processor, samples=1)
