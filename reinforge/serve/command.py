@@ -47,13 +47,13 @@ def resolve_model_folder(path: str) -> tuple[str, str | None]:
         checkpoint = next((step for step in steps if (step / "manifest.json").is_file() and _has_weights(step / "hf")),
                           None)
         if checkpoint is None:
-            raise FileNotFoundError(f"run folder {folder} has no sealed checkpoint with an hf/ model; serve a "
+            raise FileNotFoundError(f"run folder {folder} has no sealed checkpoint with an hf/ model; give a "
                                     "checkpoint folder after `reinforge export`, or an HF folder")
-        logger.info("serving %s, the newest checkpoint of %s", checkpoint.name, folder)
+        logger.info("reading %s, the newest checkpoint of %s", checkpoint.name, folder)
     if (checkpoint / "hf" / "config.json").is_file():
         if not _has_weights(checkpoint / "hf"):
             raise FileNotFoundError(f"{checkpoint / 'hf'} holds no weights; run `reinforge export {checkpoint} OUT` and "
-                                    "serve OUT")
+                                    "give OUT")
         return str(checkpoint / "hf"), None
     raise FileNotFoundError(f"{folder} is neither an HF model folder (config.json), a checkpoint (hf/), a run folder "
                             "(checkpoints/) nor a LoRA adapter (adapter_config.json); pass one of those")

@@ -58,11 +58,29 @@ def evaluate(config: Config) -> dict[str, float]:
     return run_validation(loader, val.n, sampling, config.trainer.seed + 7, actor.generate, reward.score)
 
 
+def model_folder(path: str) -> str:
+    """The HF folder to evaluate for ``path``: itself, a checkpoint's ``hf/``, or a run folder's newest sealed
+    checkpoint's, as ``reinforge serve`` reads them; a LoRA adapter folder is refused (its checkpoint's ``hf/``
+    holds the merged model)."""
+    from reinforge.serve.command import resolve_model_folder
+
+    try:
+        folder, adapter = resolve_model_folder(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"reinforge eval: {error}") from None
+    if adapter is not None:
+        raise ConfigError(f"reinforge eval: {path} is a LoRA adapter folder; give the HF folder of the model it "
+                          "adapts merged with it (a checkpoint's hf/), or serve it with `reinforge serve`, which "
+                          "merges it")
+    return folder
+
+
 def eval_main(argv: list[str]) -> int:
     """``reinforge eval MODEL DATA [DATA ...] [a.b=c ...]``: prints the metrics as JSON."""
     parser = argparse.ArgumentParser(prog="reinforge eval",
                                      description="Accuracy of a model on RL-schema prompts (greedy unless told).")
-    parser.add_argument("model", help="an HF model folder (e.g. RUN/checkpoints/step_N/hf)")
+    parser.add_argument("model", help="an HF model folder or hub id, a checkpoint folder (RUN/checkpoints/step_N) "
+                        "or a run folder (its newest checkpoint)")
     parser.add_argument("data", nargs="+", help="parquet/JSONL files of prompts in the RL schema, then a.b=c "
                                                 "overrides such as data.max_response_length=16 rollout.val_kwargs.n=4")
     args = parser.parse_args(argv)
@@ -78,7 +96,8 @@ def eval_main(argv: list[str]) -> int:
     if not model.exists() and (model.is_absolute() or args.model.startswith(".") or len(model.parts) != 2):
         raise ConfigError(f"reinforge eval: model folder {args.model!r} does not exist (looked for {model.resolve()}); "
                           "give an HF model folder, e.g. RUN/checkpoints/step_N/hf")
-    config = load_config(None, [f"model.path={args.model}", f"data.val_files={json.dumps(files)}", *overrides])
+    config = load_config(None, [f"model.path={model_folder(args.model)}", f"data.val_files={json.dumps(files)}",
+                                *overrides])
     metrics = evaluate(config)
     print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0 if metrics else 1

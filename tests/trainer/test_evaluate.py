@@ -33,3 +33,30 @@ def test_eval_names_a_missing_file_or_model_folder_as_given_on_its_command_line(
         eval_main([str(tiny_model_dir), "nosuch.parquet"])
     with pytest.raises(ConfigError, match=r"^reinforge eval: model folder '.*no_model' does not exist"):
         eval_main([str(tmp_path / "no_model"), str(arithmetic_data_dir / "test.parquet")])
+
+
+def test_eval_reads_a_checkpoint_folder_or_a_run_folder_as_serve_does(tiny_model_dir, arithmetic_data_dir, tmp_path,
+                                                                      capsys):
+    """A checkpoint folder was refused as a tokenizer folder without tokenizer files; a run folder the same."""
+    import shutil
+
+    import pytest
+
+    from reinforge.config import ConfigError
+    from reinforge.trainer.evaluate import model_folder
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000003"
+    shutil.copytree(tiny_model_dir, checkpoint / "hf")
+    (checkpoint / "manifest.json").write_text("{}")
+    assert model_folder(str(checkpoint)) == str(checkpoint / "hf")
+    assert model_folder(str(run)) == str(checkpoint / "hf")
+    assert eval_main([str(run), str(arithmetic_data_dir / "test.parquet"), "data.max_response_length=4",
+                      "reward.num_workers=0"]) == 0
+    assert "val-core/arithmetic/acc/mean@1" in json.loads(capsys.readouterr().out)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
+    with pytest.raises(ConfigError, match=r"^reinforge eval: .*adapter is a LoRA adapter folder; give the HF folder"):
+        eval_main([str(tmp_path / "adapter"), str(arithmetic_data_dir / "test.parquet")])
+    with pytest.raises(ConfigError, match=r"^reinforge eval: .* is neither an HF model folder"):
+        eval_main([str(tmp_path), str(arithmetic_data_dir / "test.parquet")])
