@@ -54,10 +54,11 @@ def append_json_line(handle: IO[str], record: dict[str, Any]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     except OSError as error:
-        if error.errno != errno.ENOSPC:
-            raise
-        raise LogWriteError(errno.ENOSPC, f"no space left on device while writing {handle.name}; free space there "
-                                          "and run the same command to resume", handle.name) from error
+        if error.errno not in _FULL_DISK:  # a read-only or failing disk: still one line naming the file
+            raise write_failure(Path(handle.name), error, "a log line") from error
+        full = "disk quota exceeded" if error.errno == errno.EDQUOT else "no space left on device"
+        raise LogWriteError(error.errno, f"{full} while writing {handle.name}; free space there and run the same "
+                                         "command to resume", handle.name) from error
 
 
 def read_json_lines(path: Path) -> list[dict[str, Any]]:
