@@ -178,7 +178,17 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
     """The row's prompt and completions as token ids (the row already passed ``check_preference_row``).
 
     ``need_prompt`` (DPO): refuse a pair without a prompt (an empty one, or completions that share no beginning),
-    whose loss would leave out the first token of each completion, which nothing predicts."""
+    whose loss would leave out the first token of each completion, which nothing predicts. A pair whose two
+    completions are the same tokens ("x" and "x" with the EOS written out) is refused: it teaches no preference."""
+    pair = _tokenized_pair(tokenizer, row, keys, template, need_prompt)
+    if pair.chosen_ids == pair.rejected_ids:
+        raise ValueError(f"{keys.chosen!r} and {keys.rejected!r} are the same {len(pair.chosen_ids)} token(s) once "
+                         "tokenized, which teaches no preference; drop the row")
+    return pair
+
+
+def _tokenized_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, template: str | None,
+                    need_prompt: bool) -> PreferencePair:
     chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     margin = float(row.get(keys.margin) or 0.0)
     if _is_messages(chosen):

@@ -108,6 +108,14 @@ def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
         tokenize_pair(tokenizer, {"chosen": "abc", "rejected": "xyz"}, KEYS, need_prompt=True)  # DPO
 
 
+@pytest.mark.parametrize("row", [{"prompt": "Q", "chosen": "x", "rejected": "x<|im_end|>"},
+                                 {"chosen": "Q: x<|im_end|>", "rejected": "Q: x"}])
+def test_a_pair_whose_completions_tokenize_the_same_is_refused(tokenizer, row):
+    with pytest.raises(ValueError, match=r"^'chosen' and 'rejected' are the same \d token\(s\) once tokenized, which "
+                                         r"teaches no preference; drop the row$"):
+        tokenize_pair(tokenizer, row, KEYS)
+
+
 @pytest.mark.parametrize(("row", "message"), [
     ({"prompt": "Q", "chosen": "a"}, "row 0 of F has no 'rejected' column (its columns: chosen, prompt)"),
     ({"prompt": "Q", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
