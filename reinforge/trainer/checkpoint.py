@@ -133,7 +133,7 @@ def _disk_full(error: BaseException, folder: Path) -> OSError | None:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     for item in chain:
-        if isinstance(item, OSError) and item.errno == errno.ENOSPC:
+        if isinstance(item, OSError) and item.errno in (errno.ENOSPC, errno.EDQUOT):
             return item
     for item in chain:
         if any(words in str(item).lower() for words in _FULL_DISK_WORDS):
@@ -191,9 +191,11 @@ class CheckpointManager:
             shutil.rmtree(temporary, ignore_errors=True)
             if full is not None:
                 where = full.filename or temporary
-                raise DiskFullError(errno.ENOSPC, f"no space left on device while writing {where} (checkpoint of step "
-                                            f"{step}; its temporary folder was removed); free space in {self.root} "
-                                            "or lower trainer.keep_last, then run the same command to resume") from error
+                what = "disk quota exceeded" if full.errno == errno.EDQUOT else "no space left on device"
+                raise DiskFullError(full.errno, f"{what} while writing {where} (checkpoint of step {step}; its "
+                                                "temporary folder was removed); free space in "
+                                                f"{self.root} or lower trainer.keep_last, then run the same command "
+                                                "to resume") from error
             raise
         problem = checkpoint_problem(temporary, hashes=False)
         if problem is not None:

@@ -102,6 +102,18 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path):
     assert manager.resolve("auto") == manager.root / "step_000001"
 
 
+def test_a_disk_quota_exceeded_is_one_line_as_a_full_disk_is(tmp_path):
+    manager = saved_run(tmp_path, steps=1)
+
+    def over_quota(folder: Path) -> None:
+        raise OSError(errno.EDQUOT, "Disk quota exceeded", str(folder / "actor_state.pt"))
+
+    with pytest.raises(OSError, match=r"^disk quota exceeded while writing .*actor_state.pt .*free space") as raised:
+        manager.save(2, over_quota, {"step": 2})
+    assert raised.value.errno == errno.EDQUOT and "[Errno" not in str(raised.value)
+    assert not list(manager.root.glob(".tmp-*"))
+
+
 def test_torch_saves_own_full_disk_error_is_recognised_before_the_written_files_are_removed(tmp_path, monkeypatch):
     """torch.save on a full disk raises RuntimeError('... unexpected pos 64 vs 0'), not ENOSPC; the disk is
     nearly full only until the temporary folder's files are removed."""
