@@ -202,9 +202,40 @@ def _parse_value(raw: str) -> Any:
     if not raw.strip():
         return ""
     try:
-        return yaml.load(raw, Loader=_HydraValueLoader)  # noqa: S506 - a SafeLoader with other scalar rules
+        return yaml.load(_spaced_dict_keys(raw), Loader=_HydraValueLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError:
         return raw
+
+
+def _spaced_dict_keys(raw: str) -> str:
+    """Hydra's dicts take ``{key:value}`` with no space after the colon, where YAML would read one key
+    ``key:value``: a space after each key's colon of a ``{...}`` outside quotes."""
+    if "{" not in raw:
+        return raw
+    out: list[str] = []
+    brackets: list[str] = []
+    quote = ""
+    key_part = False  # between a dict's "{" or "," and its key's colon
+    for index, char in enumerate(raw):
+        out.append(char)
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "{[":
+            brackets.append(char)
+            key_part = char == "{"
+        elif char in "}]":
+            if brackets:
+                brackets.pop()
+            key_part = False
+        elif char == "," and brackets:
+            key_part = brackets[-1] == "{"
+        elif char == ":" and key_part:
+            key_part = False
+            if index + 1 < len(raw) and not raw[index + 1].isspace():
+                out.append(" ")
+    return "".join(out)
 
 
 def _add(given: dict[str, Any], key: str, value: Any) -> None:

@@ -380,6 +380,15 @@ def test_values_are_read_with_hydras_grammar_not_yaml_1_1(word, value):
     assert parse_verl_overrides([word])[word.split("=")[0]] == value
 
 
+def test_a_hydra_dict_needs_no_space_after_its_keys_colons():
+    given = parse_verl_overrides(["+custom_reward_function.reward_kwargs={max_resp_len:512,tags:[a,b],url:'http://x:80'}",
+                                  "data.apply_chat_template_kwargs={enable_thinking:False}"])
+    assert given == {"custom_reward_function.reward_kwargs.max_resp_len": 512,
+                     "custom_reward_function.reward_kwargs.tags": ["a", "b"],
+                     "custom_reward_function.reward_kwargs.url": "http://x:80",
+                     "data.apply_chat_template_kwargs.enable_thinking": False}
+
+
 @pytest.mark.parametrize("word", ["trainer.logger=null", "data.train_files=5", "trainer.logger=[1,2]",
                                   "actor_rollout_ref.actor.optim.lr_scheduler_type=[cosine]",
                                   "actor_rollout_ref.model.target_modules=true"])
