@@ -116,7 +116,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
         model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32, **NO_HUB_KERNELS)
         model.load_state_dict(state, strict=False)
-        return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype)
+        return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype, processor_files_from=hf_folder)
     model_class = classifier or AutoModelForCausalLM
     model = model_class.from_config(config, dtype=torch.float32)  # the state's float32, not the dtype hf/ names
     if set(model.state_dict()) - set(state):  # frozen weights (a multimodal wrapper's tower, which text never reaches)

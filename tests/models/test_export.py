@@ -162,3 +162,21 @@ def test_a_vision_language_folder_keeps_the_processor_settings_of_the_folder_it_
                              processor_files_from=source)
     assert get_video_processor_config(out_dir) == get_video_processor_config(source) != {}
     assert load_processor(out_dir).image_processor.to_dict() == processor.image_processor.to_dict()
+
+
+def test_an_exported_vision_language_checkpoint_keeps_the_video_settings_of_its_hf_folder(tmp_path):
+    """reinforge export of a full-weights VLM checkpoint: a processor loaded without torchvision saves no video
+    settings, and AutoProcessor (where torchvision is installed) would then fail to load the folder."""
+    from transformers.models.auto.video_processing_auto import get_video_processor_config
+
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.trainer.export import export_checkpoint
+
+    checkpoint = tmp_path / "checkpoints" / "step_000001"
+    hf_folder = save_tiny_vlm(checkpoint / "hf")
+    model = AutoModelForImageTextToText.from_pretrained(hf_folder)
+    torch.save({"model": model.state_dict()}, checkpoint / "actor_state.pt")
+    torch.save({}, checkpoint / "trainer_state.pt")
+    (checkpoint / "manifest.json").write_text(json.dumps({"files": {}}))
+    out = export_checkpoint(checkpoint, tmp_path / "out")
+    assert get_video_processor_config(out) == get_video_processor_config(hf_folder) != {}
