@@ -169,8 +169,29 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
         if not raw.strip() and _sets_a_value(key, table):
             raise ConfigError(f"{word.strip()} (verl command line) has no value, as `{key}=$VAR` gives when the shell "
                               "variable VAR is not set; set VAR or write the value, or leave the key out")
+        if _has_top_level_comma(raw):
+            raise ConfigError(f"{word.strip()} (verl command line) is Hydra's sweep over several values, which verl "
+                              f"refuses without --multirun; for a list write {key}=[{raw.strip()}], for one string "
+                              f"quote it: {key}=\"'{raw.strip()}'\"")
         _add(given, key, _parse_value(raw))
     return {**from_config_file, **given}  # the command's own keys win over its config file's, as in Hydra
+
+
+def _has_top_level_comma(raw: str) -> bool:
+    """A comma outside quotes, brackets and ${...}: Hydra reads ``a,b`` as a sweep, not as one value."""
+    depth, quote = 0, ""
+    for char in raw:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            return True
+    return False
 
 
 def _sets_a_value(verl_key: str, table: Mapping[str, Translation]) -> bool:
@@ -209,7 +230,8 @@ def _parse_value(raw: str) -> Any:
 
 def _spaced_dict_keys(raw: str) -> str:
     """Hydra's dicts take ``{key:value}`` with no space after the colon, where YAML would read one key
-    ``key:value``: a space after each key's colon of a ``{...}`` outside quotes."""
+    ``key:value``: a space after each key's colon of a ``{...}`` outside quotes (an interpolation's ``${...}`` kept
+    as it is)."""
     if "{" not in raw:
         return raw
     out: list[str] = []
@@ -223,8 +245,9 @@ def _spaced_dict_keys(raw: str) -> str:
         elif char in "'\"":
             quote = char
         elif char in "{[":
-            brackets.append(char)
-            key_part = char == "{"
+            interpolation = char == "{" and index > 0 and raw[index - 1] == "$"
+            brackets.append("$" if interpolation else char)
+            key_part = char == "{" and not interpolation
         elif char in "}]":
             if brackets:
                 brackets.pop()

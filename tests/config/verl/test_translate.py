@@ -387,6 +387,14 @@ def test_a_hydra_dict_needs_no_space_after_its_keys_colons():
                      "custom_reward_function.reward_kwargs.tags": ["a", "b"],
                      "custom_reward_function.reward_kwargs.url": "http://x:80",
                      "data.apply_chat_template_kwargs.enable_thinking": False}
+    assert parse_verl_overrides(["data.max_response_length=${oc.env:MAXLEN,512}", "trainer.experiment_name='a,b'"]) == {
+        "data.max_response_length": "${oc.env:MAXLEN,512}", "trainer.experiment_name": "a,b"}
+
+
+def test_an_unquoted_comma_is_hydras_sweep_and_refused_as_verl_refuses_it():
+    with pytest.raises(ConfigError, match=r"^trainer.logger=console,wandb \(verl command line\) is Hydra's sweep over "
+                                          r"several values, .*write trainer.logger=\[console,wandb\]"):
+        translate_verl(["trainer.logger=console,wandb"])
 
 
 @pytest.mark.parametrize("word", ["trainer.logger=null", "data.train_files=5", "trainer.logger=[1,2]",
