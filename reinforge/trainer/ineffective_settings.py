@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from reinforge.algorithms import ADVANTAGE_ESTIMATORS
+from reinforge.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config
 from reinforge.config.sft_schema import SFTConfig
@@ -49,6 +49,25 @@ def _estimator_params(keys: tuple[str, ...], readers: tuple[str, ...], use: str)
 
     return IgnoredWhen(keys, applies, f"only the {', '.join(readers)} estimators {use}",
                        f"set algorithm.adv_estimator={readers[0]}")
+
+
+def _clip_params(keys: tuple[str, ...], readers: tuple[str, ...]) -> list[IgnoredWhen]:
+    """``keys`` are read by the built-in policy losses ``readers`` alone (a loss registered elsewhere may read
+    them), and by bypass mode's ppo_clip loss, not its reinforce loss."""
+    def other_loss(config: Any) -> bool:
+        mode = config.actor.policy_loss.loss_mode
+        loss = POLICY_LOSSES.get(mode)
+        built_in = loss is not None and loss.__module__.startswith("reinforge.algorithms.")
+        return not config.algorithm.rollout_correction.bypass_mode and built_in and mode not in readers
+
+    return [
+        IgnoredWhen(keys, other_loss, f"only the policy losses {', '.join(readers)} read it",
+                    f"set actor.policy_loss.loss_mode={readers[0]}"),
+        IgnoredWhen(keys, lambda config: config.algorithm.rollout_correction.bypass_mode
+                    and config.algorithm.rollout_correction.loss_type == "reinforce",
+                    "bypass mode's loss algorithm.rollout_correction.loss_type=reinforce clips nothing",
+                    "set algorithm.rollout_correction.loss_type=ppo_clip"),
+    ]
 
 
 def _optim_params(prefix: str, when: Callable[[Any], bool] = lambda config: True) -> list[IgnoredWhen]:
@@ -143,6 +162,10 @@ IGNORED_WHEN: list[IgnoredWhen] = [
                 lambda config: not config.algorithm.rollout_correction.bypass_mode,
                 "it is the loss of bypass mode and algorithm.rollout_correction.bypass_mode is false",
                 "set algorithm.rollout_correction.bypass_mode=true"),
+    *_clip_params(("actor.policy_loss.clip_ratio", "actor.policy_loss.clip_ratio_low",
+                   "actor.policy_loss.clip_ratio_high"),
+                  ("vanilla", "dppo_tv", "dppo_kl", "cispo", "sapo", "gspo", "geo_mean", "clip_cov")),
+    *_clip_params(("actor.policy_loss.clip_ratio_c",), ("vanilla", "dppo_tv", "dppo_kl")),
     _loss_params("clip_cov", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
     _loss_params("kl_cov", "kl_cov_ratio", "ppo_kl_coef"),
     _loss_params("sapo", "tau_pos", "tau_neg"),

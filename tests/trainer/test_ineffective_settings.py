@@ -64,6 +64,14 @@ WARNED = [
     ("algorithm.rollout_correction.rollout_is_batch_normalize=true", [], "rollout_is is null"),
     ("algorithm.rollout_correction.rollout_rs_threshold=3.0", [], "rollout_rs is null"),
     ("algorithm.rollout_correction.loss_type=reinforce", [], "bypass_mode is false"),
+    ("actor.policy_loss.clip_ratio=0.1", ["actor.policy_loss.loss_mode=kl_cov"], "only the policy losses vanilla,"),
+    ("actor.policy_loss.clip_ratio_low=0.1", ["actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1"],
+     "only the policy losses vanilla,"),
+    ("actor.policy_loss.clip_ratio_high=0.28", ["actor.policy_loss.loss_mode=gpg"], "only the policy losses vanilla,"),
+    ("actor.policy_loss.clip_ratio_high=0.28", ["algorithm.rollout_correction.bypass_mode=true",
+                                                "algorithm.rollout_correction.loss_type=reinforce"], "clips nothing"),
+    ("actor.policy_loss.clip_ratio_c=10", ["actor.policy_loss.loss_mode=gspo"],
+     "only the policy losses vanilla, dppo_tv, dppo_kl read it"),
     ("actor.policy_loss.clip_cov_ratio=0.001", [], "parameters of actor.policy_loss.loss_mode=clip_cov"),
     ("actor.policy_loss.clip_cov_lb=2", [], "loss_mode=clip_cov"),
     ("actor.policy_loss.clip_cov_ub=4", [], "loss_mode=clip_cov"),
@@ -180,3 +188,11 @@ def test_an_estimator_registered_outside_reinforge_may_read_the_discount(monkeyp
     config = Config()
     config.algorithm.adv_estimator, config.algorithm.gamma = "my_discounted", 0.99
     assert ineffective_settings(config) == []
+
+
+def test_clip_ratios_of_a_loss_that_clips_say_nothing():
+    for mode in ("vanilla", "gspo", "cispo", "clip_cov"):
+        config = load_config(None, [f"actor.policy_loss.loss_mode={mode}", "actor.policy_loss.clip_ratio_high=0.28"])
+        assert ineffective_settings(config) == []
+    bypass = ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=ppo_clip"]
+    assert ineffective_settings(load_config(None, [*bypass, "actor.policy_loss.clip_ratio_c=10"])) == []
