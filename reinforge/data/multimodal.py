@@ -185,8 +185,24 @@ def load_image(source: Any, where: str, number: int):
                          "(the processor resizes it to at most its max_pixels anyway) or raise PIL.Image.MAX_IMAGE_PIXELS "
                          "if it is trusted") from None
     except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise ValueError(f"{where}: image {number} ({origin}) cannot be read as an image ({error}); re-encode it "
-                         "as PNG or JPEG") from None
+        fix = "re-encode it as PNG or JPEG"
+        if path is None and _reads_as_path(data):  # parquet stores a path among bytes as the path's bytes
+            fix = (f"its bytes are the text {data.decode()!r}, a file path: a parquet column that holds bytes stores "
+                   "a path as its bytes; store every image of the column alike, as bytes, as paths, or as "
+                   "{'bytes': ..., 'path': ...} structs (datasets' Image feature)")
+        raise ValueError(f"{where}: image {number} ({origin}) cannot be read as an image ({error}); {fix}") from None
+
+
+def _reads_as_path(data: bytes) -> bool:
+    """Whether ``data`` is the UTF-8 text of a file path (one line, a few hundred bytes at most, with a file
+    extension)."""
+    if len(data) > 1024:
+        return False
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return False
+    return text.isprintable() and bool(Path(text).suffix)
 
 
 def load_images(sources: Sequence[Any], where: str) -> list[Any]:

@@ -176,6 +176,9 @@ def test_images_without_placeholders_open_the_first_user_message():
     (verl_row([{"bytes": None, "path": "/no/such/image.png"}]), "row 0 of .*image 0 is the file /no/such/image.png, "
                                                                 "which does not exist"),
     (verl_row([b"not an image"]), r"row 0 of .*image 0 \(12 bytes\) cannot be read as an image"),
+    (verl_row([png((1, 2, 3)), "/data/red.png"], text="<image><image>"),  # pyarrow stores the path as its bytes
+     r"row 0 of .*image 1 \(13 bytes\) cannot be read as an image .*; its bytes are the text '/data/red.png', a "
+     "file path: a parquet column that holds bytes stores a path as its bytes"),
     (verl_row([png((1, 2, 3)), png((4, 5, 6))]), r"row 0 of .* has 2 image\(s\) but 1 image placeholder\(s\)"),
     (verl_row([{"bytes": png((1, 2, 3)), "path": None, "max_pixels": 64 * 64}]),
      r"row 0 of .*image 0 sets max_pixels, which reinforge does not apply per image"),
