@@ -300,11 +300,12 @@ class TrainingRun:
         return (last_metrics or self.logged_metrics(self.step)) | final
 
     def logged_metrics(self, step: int) -> dict[str, float]:
-        """What ``metrics.jsonl`` holds for ``step`` (empty without the jsonl logger)."""
+        """What ``metrics.jsonl`` holds for ``step`` (empty without the jsonl logger), less the rows of its skipped
+        attempts (``training/skipped_step``), which the step's redo trained over."""
         path = self.run_dir / METRICS_FILE
         merged: dict[str, float] = {}
         for record in read_json_lines(path) if path.is_file() else []:
-            if record.get("step") == step:
+            if record.get("step") == step and not record.get("training/skipped_step"):
                 merged |= {key: value for key, value in record.items() if key != "step"}
         return merged
 

@@ -21,7 +21,7 @@ import torch
 
 from reinforge.config.schema import RunConfig
 from reinforge.tracking import Tracker
-from reinforge.trainer.run_loop import DataExhausted, TrainingRun
+from reinforge.trainer.run_loop import DataExhausted, StepSkipped, TrainingRun
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import forked_python  # noqa: E402
@@ -203,3 +203,29 @@ def test_a_finished_run_whose_data_ran_out_inside_a_step_logs_nothing_again_when
         again = TwoBatchesAStep(tmp_path, num_batches=5, save_every=save_every).fit()
         assert (tmp_path / "metrics.jsonl").read_text() == logged
         assert again == first
+
+
+class SkipsStepTwoOnce(TwoBatchesAStep):
+    """Two steps of one batch each; step 2's first attempt is skipped (its tools' service down)."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(run_dir, num_batches=2, save_every=1)
+        self.skipped = False
+
+    def train_step(self, batch: int) -> dict[str, float]:
+        if batch == 2 and not self.skipped:
+            self.skipped = True
+            raise StepSkipped("every tool call failed", {"agent/tool_errors": 8.0})
+        self.weight += batch
+        return {"weight": float(self.weight)}
+
+    def data_used_up(self) -> str | None:
+        return None
+
+
+def test_a_finished_run_run_again_reports_the_trained_step_not_its_skipped_attempt(tmp_path):
+    first = SkipsStepTwoOnce(tmp_path).fit()
+    assert [json.loads(line).get("training/skipped_step") for line in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [None, 1.0, None]
+    again = SkipsStepTwoOnce(tmp_path).fit()  # resumed at its final step: nothing to train
+    assert again == first and "agent/tool_errors" not in again
