@@ -35,8 +35,11 @@ def asks_for_help(arguments: list[str]) -> bool:
 
 
 def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
-    if "--" in arguments:
-        position = arguments.index("--")
+    """verl's words and ours, at the first ``--`` after the module a pasted command runs: one before ``-m``
+    belongs to its launcher (``ray job submit --address=... -- python3 -m verl.trainer.main_ppo ...``)."""
+    start = arguments.index("-m") if "-m" in arguments else 0
+    if "--" in arguments[start:]:
+        position = arguments.index("--", start)
         return arguments[:position], arguments[position + 1:]
     return arguments, []
 

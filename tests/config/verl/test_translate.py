@@ -450,6 +450,14 @@ def test_a_verl_logger_whose_package_is_missing_is_left_out_with_one_warning(cap
     assert len(warnings) == 1 and "wandb" in warnings[0] and "pip install wandb" in warnings[0]
 
 
+def test_a_ray_job_submit_launch_keeps_its_double_dash_and_ours_follows_the_module():
+    from reinforge.config import commands
+
+    config = commands.load_from_verl(["ray", "job", "submit", "--address=http://127.0.0.1:8265", "--no-wait", "--",
+                                      *VERL_GSM8K_GRPO, "--", "rollout.top_p=0.5"])
+    assert config.rollout.top_p == 0.5 and config.rollout.n == 5
+
+
 def test_config_name_of_verls_multi_turn_examples_applies_that_files_keys_first():
     given = parse_verl_overrides(["--config-path=/verl/examples/sglang_multiturn/config",
                                   "--config-name='gsm8k_multiturn_grpo'", "data.train_batch_size=8"])
