@@ -27,7 +27,8 @@ class ToolResult(NamedTuple):
     """Numbers summed per tool (``agent/tool/<name>/<key>``); ``tool_error`` marks a failed call, and ``service_error``
     one that failed because the tool's service did not run it (a sandbox down: the model's call was not at fault)."""
     images: tuple = ()
-    """Images (PIL) the model sees before the text, for a vision-language model (``agent/tool_images.py``)."""
+    """Images the model sees before the text, for a vision-language model (``agent/tool_images.py``): PIL images,
+    encoded bytes, file paths or data URIs, as a dataset row's images."""
 
 
 class ToolUnavailable(RuntimeError):
@@ -160,12 +161,25 @@ def as_tool_result(value: Any) -> ToolResult:
     if isinstance(value, ToolResult):
         text, reward, metrics, images = value
         return ToolResult(_as_text(text), None if reward is None else float(reward), _as_metrics(metrics),
-                          tuple(images))
+                          _as_images(images))
     elif isinstance(value, tuple) and 1 <= len(value) <= 3:
         text, reward, metrics = (*value, None, None)[:3]
     else:
         text, reward, metrics = value, None, None
     return ToolResult(_as_text(text), None if reward is None else float(reward), _as_metrics(metrics))
+
+
+def _as_images(images: Any) -> tuple:
+    """A result's images as RGB PIL images, read as a dataset row's are (a PIL image, bytes, a file path, a data
+    URI; ``data.multimodal.load_image``). One that cannot be read, or a web address, raises ValueError with what to
+    return instead: the loop answers the call with it, as any failed call, instead of stopping the rollout."""
+    from reinforge.data.multimodal import load_image
+
+    if images is None:
+        return ()
+    if isinstance(images, str | bytes | bytearray | dict) or not isinstance(images, list | tuple):
+        images = (images,)  # one image given alone, not in a tuple
+    return tuple(load_image(image, "the tool's result", number) for number, image in enumerate(images))
 
 
 def _as_metrics(metrics: Any) -> dict[str, float]:

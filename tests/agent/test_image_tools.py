@@ -134,3 +134,24 @@ def test_an_image_from_a_tool_without_a_processor_is_refused_in_one_line(vlm):
                                          "processor reinforge uses .a text model, or an image-text model reinforge "
                                          "trains on text alone"):
         run_trajectory(vlm, FirstTurnScripted(processor.tokenizer, engine, call), image, processor_in_context=False)
+
+
+def test_a_tools_images_are_read_as_a_rows_are_and_an_unreadable_one_is_the_calls_error(tmp_path):
+    """Bytes and file paths reached the processor as they were (transformers refused bytes, and would fetch a web
+    address); a broken image stopped the rollout instead of answering the call."""
+    import io
+
+    from reinforge.agent.tools import as_tool_result
+
+    picture = Image.new("RGBA", (6, 4), (255, 0, 0, 128))
+    encoded = io.BytesIO()
+    picture.save(encoded, format="PNG")
+    (tmp_path / "crop.png").write_bytes(encoded.getvalue())
+    result = as_tool_result(ToolResult("x", images=(encoded.getvalue(), str(tmp_path / "crop.png"), picture)))
+    assert [(image.mode, image.size) for image in result.images] == [("RGB", (6, 4))] * 3
+    assert as_tool_result(ToolResult("x", images=str(tmp_path / "crop.png"))).images[0].size == (6, 4)  # one, alone
+    with pytest.raises(ValueError, match=r"^the tool's result: image 0 is the web address .* reinforge downloads "
+                                         r"nothing"):
+        as_tool_result(ToolResult("x", images=("https://example.com/a.png",)))
+    with pytest.raises(ValueError, match=r"^the tool's result: image 1 \(3 bytes\) cannot be read as an image"):
+        as_tool_result(ToolResult("x", images=(picture, b"abc")))
