@@ -9,6 +9,7 @@ dynamic sampling, a policy loss that bypass mode would replace), are refusals of
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,20 +52,25 @@ def _estimator_params(keys: tuple[str, ...], readers: tuple[str, ...], use: str)
                        f"set algorithm.adv_estimator={readers[0]}")
 
 
-def _clip_params(keys: tuple[str, ...], readers: tuple[str, ...]) -> list[IgnoredWhen]:
+def _clip_params(keys: tuple[str, ...], readers: tuple[str, ...],
+                 bounds: Callable[[Any], bool] = lambda config: True) -> list[IgnoredWhen]:
     """``keys`` are read by the built-in policy losses ``readers`` alone (a loss registered elsewhere may read
-    them), and by bypass mode's ppo_clip loss, not its reinforce loss."""
+    them), and by bypass mode's ppo_clip loss, not its reinforce loss; they count only where ``bounds(config)``
+    (an infinite dual clip bound, the API's for TRL's delta=None, bounds nothing under any loss)."""
     def other_loss(config: Any) -> bool:
         mode = config.actor.policy_loss.loss_mode
         loss = POLICY_LOSSES.get(mode)
         built_in = loss is not None and loss.__module__.startswith("reinforge.algorithms.")
         return not config.algorithm.rollout_correction.bypass_mode and built_in and mode not in readers
 
+    def reinforce(config: Any) -> bool:
+        correction = config.algorithm.rollout_correction
+        return correction.bypass_mode and correction.loss_type == "reinforce"
+
     return [
-        IgnoredWhen(keys, other_loss, f"only the policy losses {', '.join(readers)} read it",
-                    f"set actor.policy_loss.loss_mode={readers[0]}"),
-        IgnoredWhen(keys, lambda config: config.algorithm.rollout_correction.bypass_mode
-                    and config.algorithm.rollout_correction.loss_type == "reinforce",
+        IgnoredWhen(keys, lambda config: bounds(config) and other_loss(config),
+                    f"only the policy losses {', '.join(readers)} read it", f"set actor.policy_loss.loss_mode={readers[0]}"),
+        IgnoredWhen(keys, lambda config: bounds(config) and reinforce(config),
                     "bypass mode's loss algorithm.rollout_correction.loss_type=reinforce clips nothing",
                     "set algorithm.rollout_correction.loss_type=ppo_clip"),
     ]
@@ -165,7 +171,8 @@ IGNORED_WHEN: list[IgnoredWhen] = [
     *_clip_params(("actor.policy_loss.clip_ratio", "actor.policy_loss.clip_ratio_low",
                    "actor.policy_loss.clip_ratio_high"),
                   ("vanilla", "dppo_tv", "dppo_kl", "cispo", "sapo", "gspo", "geo_mean", "clip_cov")),
-    *_clip_params(("actor.policy_loss.clip_ratio_c",), ("vanilla", "dppo_tv", "dppo_kl")),
+    *_clip_params(("actor.policy_loss.clip_ratio_c",), ("vanilla", "dppo_tv", "dppo_kl"),
+                  lambda config: math.isfinite(config.actor.policy_loss.clip_ratio_c)),
     _loss_params("clip_cov", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
     _loss_params("kl_cov", "kl_cov_ratio", "ppo_kl_coef"),
     _loss_params("sapo", "tau_pos", "tau_neg"),

@@ -196,3 +196,6 @@ def test_clip_ratios_of_a_loss_that_clips_say_nothing():
         assert ineffective_settings(config) == []
     bypass = ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=ppo_clip"]
     assert ineffective_settings(load_config(None, [*bypass, "actor.policy_loss.clip_ratio_c=10"])) == []
+    # no dual clip at all (the API's mapping of TRL's delta=None) is what a loss without one does anyway
+    assert ineffective_settings(load_config(None, ["actor.policy_loss.loss_mode=gspo",
+                                                   "actor.policy_loss.clip_ratio_c=.inf"])) == []
