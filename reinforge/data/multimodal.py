@@ -158,7 +158,7 @@ def load_image(source: Any, where: str, number: int):
         raise ValueError(f"{where}: image {number} is a dict with {keys} and no image; give each image as "
                          f"{IMAGE_FORMS}")
     if isinstance(given, Image.Image):
-        return to_rgb(given)
+        return _within_aspect_ratio(to_rgb(given), where, number)
     if isinstance(given, str) and given.startswith(("http://", "https://")):
         raise ValueError(f"{where}: image {number} is the web address {given[:80]}, and reinforge downloads "
                          "nothing; download the image and give its file path or bytes")
@@ -179,7 +179,7 @@ def load_image(source: Any, where: str, number: int):
     origin = f"the file {path}" if path else f"{len(data)} bytes"
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return to_rgb(ImageOps.exif_transpose(image))
+            opened = to_rgb(ImageOps.exif_transpose(image))
     except Image.DecompressionBombError as error:
         raise ValueError(f"{where}: image {number} ({origin}) is too large to open safely ({error}); shrink it "
                          "(the processor resizes it to at most its max_pixels anyway) or raise PIL.Image.MAX_IMAGE_PIXELS "
@@ -191,6 +191,20 @@ def load_image(source: Any, where: str, number: int):
                    "a path as its bytes; store every image of the column alike, as bytes, as paths, or as "
                    "{'bytes': ..., 'path': ...} structs (datasets' Image feature)")
         raise ValueError(f"{where}: image {number} ({origin}) cannot be read as an image ({error}); {fix}") from None
+    return _within_aspect_ratio(opened, where, number)
+
+
+MAX_ASPECT_RATIO = 200
+"""The longest side over the shortest that the Qwen-VL image processors resize (they refuse a longer strip)."""
+
+
+def _within_aspect_ratio(image: Any, where: str, number: int) -> Any:
+    width, height = image.size
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ValueError(f"{where}: image {number} is {width} x {height} pixels, a strip whose long side is more than "
+                         f"{MAX_ASPECT_RATIO} times its short side, which the image processor cannot resize; pad or "
+                         "crop it nearer to a square")
+    return image
 
 
 def _reads_as_path(data: bytes) -> bool:

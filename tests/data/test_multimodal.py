@@ -188,6 +188,9 @@ def test_images_without_placeholders_open_the_first_user_message():
      r"^row 0 of .*, column 'images': image 1 of 2 is null, and each entry is the image of one placeholder"),
     ({**trl_row(None), "image": None, "images": [None, png((1, 2, 3))]},
      r"^row 0 of .*, column 'images': image 0 of 2 is null"),
+    (verl_row([png((1, 2, 3), size=(402, 2))]),
+     r"^row 0 of .*image 0 is 402 x 2 pixels, a strip whose long side is more than 200 times its short side, which "
+     "the image processor cannot resize; pad or crop it"),
     (verl_row([png((1, 2, 3))], text="<image>what is <|image_pad|>?"),
      r"^row 0 of .*: its rendered text holds 2 '<\|image_pad\|>' tokens for its 1 image\(s\): its own text spells 1"),
     ({"prompt": [{"role": "system", "content": "count"}], "images": [png((1, 2, 3))]},
