@@ -258,6 +258,26 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(num_train_epochs=0.5).to_overrides()
 
 
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(num_generations=1, per_device_train_batch_size=8),
+     r"^num_generations=1 \(GRPOConfig\) is reinforge's rollout.n: rollout.n=1 is too small"),
+    (dict(max_completion_length=None), r"^max_completion_length=None \(GRPOConfig\) is reinforge's "
+                                        r"data.max_response_length: "),
+    (dict(learning_rate=-1.0, overrides={"actor.optim.lr": -2.0}), r"^actor.optim.lr=-2.0 is negative"),  # ours
+    (dict(per_device_train_batch_size=64, num_generations=4),
+     r"^per_device_train_batch_size=64, num_generations=4 \(GRPOConfig\) is reinforge's data.train_batch_size: "
+     r"data.train_batch_size=16 is larger than the 4 train prompts"),
+])
+def test_a_refusal_of_a_key_made_from_trls_settings_names_them(tmp_path, tiny_model_dir, settings, message):
+    from reinforge import GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_completion_length=settings.pop("max_completion_length", 4),
+                      **{"num_generations": 2, "per_device_train_batch_size": 2} | settings)
+    with pytest.raises(ValueError, match=message):
+        GRPOTrainer(str(tiny_model_dir), lambda completions, **kwargs: [1.0] * len(completions), args,
+                    train_dataset=[{"prompt": f"{a}+{a}="} for a in range(4)], trainer__device="cpu")
+
+
 TRL_SCRIPT_SETTINGS = [
     # what a TRL script spells out that changes nothing in a reinforge run: taken as it is
     (dict(bf16=True, use_vllm=True, vllm_mode="server", logging_dir="logs", log_completions=True,

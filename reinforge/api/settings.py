@@ -475,12 +475,27 @@ class _TrainingArguments:
         win)."""
         settings = self.with_defaults()
         mapped: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         for name, value in sorted(settings.items(), key=lambda item: item[0] in APPLIED_LAST):
             try:
-                mapped |= self.SETTINGS[name][1](value, settings)
+                keys = self.SETTINGS[name][1](value, settings)
             except TypeError as error:  # None or another type where the mapping does arithmetic on a number
                 raise ValueError(f"{name}={value!r} is not a value {type(self).__name__} can use ({error})") from None
+            mapped |= keys
+            sources |= dict.fromkeys(keys, self._given(name))
+        object.__setattr__(self, "_sources", sources)
         return mapped | _overrides_dict(self.overrides)
+
+    def _given(self, *names: str) -> str:
+        """``name=value`` of TRL's settings, for a message; a setting not given is TRL's default."""
+        return ", ".join(f"{name}={self.with_defaults().get(name)!r}"
+                         + ("" if name in self.settings else " (TRL's default)") for name in names)
+
+    def setting_sources(self) -> dict[str, str]:
+        """reinforge's key -> the TRL settings (``name=value``) it was made from, as the last ``to_overrides``
+        mapped them (``overrides`` excluded: they are reinforge's keys already)."""
+        given = _overrides_dict(self.overrides)
+        return {key: source for key, source in self.__dict__.get("_sources", {}).items() if key not in given}
 
 
 class GRPOConfig(_TrainingArguments):
@@ -503,6 +518,10 @@ class GRPOConfig(_TrainingArguments):
         generations = int(settings.get("num_generations") or mapped.get("rollout.n") or 8)
         batches, updates = _generation_batches(settings, generations)
         mapped |= batches
+        self._sources.update(dict.fromkeys(batches, self._given(
+            "per_device_train_batch_size", *(name for name in ("gradient_accumulation_steps", "steps_per_generation",
+                                                               "generation_batch_size") if name in self.settings),
+            "num_generations")))
         updates *= int(mapped.get("actor.ppo_epochs", 1))
         for name, key in (("max_steps", "trainer.total_steps"), ("save_steps", "trainer.save_every"),
                           ("eval_steps", "trainer.test_every")):
@@ -571,6 +590,9 @@ class SFTConfig(_TrainingArguments):
         rows = _rows_per_step(self.with_defaults())
         if rows is not None and "data.batch_size" not in _overrides_dict(self.overrides):
             mapped["data.batch_size"] = rows
+            self._sources["data.batch_size"] = self._given(
+                "per_device_train_batch_size", *(["gradient_accumulation_steps"]
+                                                 if "gradient_accumulation_steps" in self.settings else []))
         return mapped
 
 

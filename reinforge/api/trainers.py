@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import logging
+import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,6 +27,7 @@ from reinforge.api.inputs import (
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
+from reinforge.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,24 @@ def _load(spec: str) -> Any:
     """``module:name`` -> the object, imported when the trainer is built (``import reinforge`` stays light)."""
     module, name = spec.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+@contextlib.contextmanager
+def _named_as_given(args: Any) -> Iterator[None]:
+    """A refusal that names one of reinforge's keys made from TRL's settings (``args.setting_sources()``) also names
+    the settings it was made from, as the script wrote them: ``num_generations=1 (GRPOConfig) is reinforge's
+    rollout.n: rollout.n=1 is too small...``."""
+    try:
+        yield
+    except ValueError as error:
+        sources = args.setting_sources() if hasattr(args, "setting_sources") else {}
+        message = str(error)
+        found = [(match.start(), key) for key in sources
+                 if (match := re.search(rf"(?<![\w.]){re.escape(key)}=", message)) is not None]
+        if not found or type(error) not in (ValueError, ConfigError) or message.startswith(sources[min(found)[1]]):
+            raise
+        key = min(found)[1]
+        raise type(error)(f"{sources[key]} ({type(args).__name__}) is reinforge's {key}: {message}") from None
 
 
 def _check_train_data(config: Any, trainer: str) -> None:
@@ -292,20 +314,21 @@ class GRPOTrainer(_Trainer):
         from reinforge.config import config_to_dict
         from reinforge.config.validate import validate_config
 
-        self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
-                            "GRPOTrainer's settings")
-        _check_train_data(self.config, type(self).__name__)
-        prompt_sets = None
-        if (not isinstance(args, Config) and "data.max_prompt_length" not in settings
-                and not self.config.rollout.multi_turn.tool_config_path):
-            # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
-            prompt_sets = whole_prompts(self.config)
-        validate_config(self.config)
-        from reinforge.trainer.rl_trainer import optimizer_steps_per_step
+        with _named_as_given(args):
+            self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
+                                        "GRPOTrainer's settings")
+            _check_train_data(self.config, type(self).__name__)
+            prompt_sets = None
+            if (not isinstance(args, Config) and "data.max_prompt_length" not in settings
+                    and not self.config.rollout.multi_turn.tool_config_path):
+                # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
+                prompt_sets = whole_prompts(self.config)
+            validate_config(self.config)
+            from reinforge.trainer.rl_trainer import optimizer_steps_per_step
 
-        self._prompt_sets = prompt_sets
-        self._given_config = copy.deepcopy(self.config)
-        self.trainer = self._make_trainer()
+            self._prompt_sets = prompt_sets
+            self._given_config = copy.deepcopy(self.config)
+            self.trainer = self._make_trainer()
         self.updates = optimizer_steps_per_step(self.config)
         self._start_callbacks(callbacks)
 
@@ -358,12 +381,13 @@ class _SupervisedTrainer(_Trainer):
                 self._add_row_settings(settings, train_dataset)
         if eval_dataset is not None:
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
-        self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
-                            f"{type(self).__name__}'s settings")
-        _check_train_data(self.config, type(self).__name__)
-        _load(self.VALIDATE)(self.config)
-        self._given_config = copy.deepcopy(self.config)
-        self.trainer = self._make_trainer()
+        with _named_as_given(args):
+            self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
+                                        f"{type(self).__name__}'s settings")
+            _check_train_data(self.config, type(self).__name__)
+            _load(self.VALIDATE)(self.config)
+            self._given_config = copy.deepcopy(self.config)
+            self.trainer = self._make_trainer()
         self._start_callbacks(callbacks)
 
     def _make_trainer(self) -> Any:
