@@ -242,6 +242,11 @@ def test_a_setting_set_on_the_config_after_it_is_made_counts():
 def test_an_unknown_or_unfitting_setting_is_one_line():
     with pytest.raises(TypeError, match="GRPOConfig has no setting 'learnig_rate'; did you mean learning_rate?"):
         GRPOConfig(learnig_rate=1e-6)
+    with pytest.raises(TypeError, match=r"^GRPOConfig\(fsdp=...\): TRL's fsdp has no counterpart here, reinforge "
+                                        r"places and shards the model itself .*; remove it$"):
+        GRPOConfig(fsdp="full_shard")
+    with pytest.raises(TypeError, match=r"^SFTConfig\(resume_from_checkpoint=...\): TRL's resume_from_checkpoint "):
+        SFTConfig(resume_from_checkpoint="runs/x/checkpoint-5")
     with pytest.raises(ValueError, match="12 completions a step is not a multiple of num_generations=8"):
         GRPOConfig(per_device_train_batch_size=12, num_generations=8).to_overrides()
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
@@ -517,8 +522,10 @@ def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
 def test_dpo_and_reward_configs_take_trls_names_for_what_they_do_and_refuse_the_rest_in_one_line():
     from reinforge import DPOConfig, RewardConfig
 
-    taken = DPOConfig(loss_type=["ipo"], precompute_ref_log_probs=True, disable_dropout=True).to_overrides()
+    taken = DPOConfig(loss_type=["ipo"], precompute_ref_log_probs=True, disable_dropout=True, dataset_num_proc=8,
+                      padding_free=True, pad_to_multiple_of=8, ref_model_sync_steps=512).to_overrides()
     assert taken["dpo.loss_type"] == "ipo"  # TRL's list of one loss
+    assert RewardConfig(dataset_num_proc=4, activation_offloading=False).to_overrides() == RewardConfig().to_overrides()
     assert "rm.center_rewards_coefficient" in RewardConfig(disable_dropout=True,
                                                            center_rewards_coefficient=0.01).to_overrides()
     for settings, message in ((dict(loss_type=["sigmoid", "sft"]), "loss_type=['sigmoid', 'sft']: reinforge dpo "

@@ -165,9 +165,19 @@ UNUSED_BY_GRPO = _table(
 
 
 UNUSED_BY_PREFERENCE_TRAINERS = _table(
-    {},
+    {
+        "dataset_num_proc": "the pairs are tokenized in the trainer's process",
+        "padding_free": "reinforge packs a pair's sequences without padding",
+        "pad_to_multiple_of": "padding is never trained",
+        "pad_token": "padding is never trained; set tokenizer.pad_token and pass it as processing_class to save "
+                     "another",
+    },
     {
         "disable_dropout": ((True,), "reinforge rm and dpo always switch a checkpoint's dropout off; remove it"),
+        "activation_offloading": ((False,), "reinforge does not offload activations; use gradient_checkpointing=True "
+                                            "to save their memory"),
+        "eos_token": ((), "reinforge appends the tokenizer's own EOS token; set tokenizer.eos_token and pass the "
+                          "tokenizer as processing_class"),
     },
 )
 """The names of TRL's DPOConfig and RewardConfig with no reinforge key."""
@@ -178,6 +188,8 @@ UNUSED_BY_DPO = _table(
         "precompute_ref_log_probs": "reinforge dpo always scores the reference log-probs once, before the first step, "
                                     "and stores them in output_dir",
         "precompute_ref_batch_size": "the reference pass runs in the training's micro-batches",
+        "ref_model_mixup_alpha": "reinforge keeps the reference model fixed (sync_ref_model)",
+        "ref_model_sync_steps": "reinforge keeps the reference model fixed (sync_ref_model)",
     },
     {
         "reference_free": ((False,), "reinforge dpo always compares the policy with a reference (ref_model, or the "
@@ -224,3 +236,41 @@ UNUSED_BY_SFT = _table(
     },
 )
 """The SFTConfig names with no reinforge key."""
+
+
+def _each(reason: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, reason)
+
+
+NO_COUNTERPART: dict[str, str] = {
+    **_each("reinforge places and shards the model itself (trainer.nnodes, trainer.devices_per_node, FSDP2)",
+            "fsdp", "fsdp_config", "deepspeed", "accelerator_config", "parallelism_config", "ddp_broadcast_buffers",
+            "ddp_bucket_cap_mb", "ddp_static_graph", "save_on_each_node", "average_tokens_across_devices"),
+    **_each("reinforge evaluates an eval_dataset its own way (eval_steps, eval_strategy, eval_on_start)",
+            "eval_accumulation_steps", "eval_delay", "eval_do_concat_batches", "eval_use_gather_object",
+            "batch_eval_metrics", "include_for_metrics", "prediction_loss_only", "bf16_full_eval", "fp16_full_eval"),
+    **_each("reinforge resumes from output_dir's latest checkpoint (overrides={'trainer.resume': 'never'} or a "
+            "checkpoint's path)", "resume_from_checkpoint", "restore_callback_states_from_checkpoint",
+            "ignore_data_skip", "enable_jit_checkpoint"),
+    **_each("reinforge reads and batches the rows in its own shuffled order (seed, data_seed)", "dataloader_drop_last",
+            "dataloader_in_order", "dataloader_multiprocessing_context", "train_sampling_strategy",
+            "length_column_name"),
+    **_each("reinforge does not compile the model", "torch_compile_backend", "torch_compile_mode"),
+    **_each("reinforge's optimizer is torch's AdamW on every trained parameter", "optim_args", "optim_target_modules"),
+    **_each("reinforge logs to the loggers of report_to and the run folder", "project", "trackio_bucket_id",
+            "trackio_space_id", "trackio_static_space_id", "skip_memory_metrics", "debug"),
+    **_each("reinforge does not push to the hub", "hub_always_push", "hub_revision"),
+    **_each("reinforge's checkpointing is its own (gradient_checkpointing)", "activation_checkpointing",
+            "activation_checkpointing_kwargs"),
+    **_each("reinforge computes the loss in its own kernels", "liger_kernel_config"),
+    **_each("the chat template is the tokenizer's; set tokenizer.chat_template and pass the tokenizer as "
+            "processing_class", "chat_template_path"),
+    **_each("reinforge seeds every run (seed) but does not force deterministic kernels", "full_determinism"),
+    **_each("reinforge's engine keeps its own cache", "use_cache"),
+    **_each("reinforge has no VESPO loss (loss_type takes grpo, bnpo, dapo, dr_grpo, cispo, sapo, luspo)",
+            "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos"),
+    **_each("reinforge dpo trains one loss (sigmoid, ipo, hinge, robust)", "discopop_tau", "f_alpha_divergence_coef",
+            "f_divergence_type", "loss_weights"),
+}
+"""Settings of TRL's configs (and transformers' TrainingArguments) that no reinforge config takes -> why; given, they
+are refused in one line naming TRL's setting, not as a misspelt name."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from reinforge.api.inert_settings import (
+    NO_COUNTERPART,
     UNUSED_BY_DPO,
     UNUSED_BY_EVERY_TRAINER,
     UNUSED_BY_GRPO,
@@ -438,6 +439,9 @@ class _TrainingArguments:
 
     def __init__(self, overrides: Mapping[str, Any] | Sequence[str] | None = None, **settings: Any) -> None:
         for name in settings:
+            if name not in self.SETTINGS and name in NO_COUNTERPART:
+                raise TypeError(f"{type(self).__name__}({name}=...): TRL's {name} has no counterpart here, "
+                                f"{NO_COUNTERPART[name]}; remove it")
             if name not in self.SETTINGS:
                 close = difflib.get_close_matches(name, list(self.SETTINGS), n=1)
                 hint = f"did you mean {close[0]}? " if close else ""
