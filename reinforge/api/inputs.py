@@ -172,10 +172,28 @@ def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
     try:
         table = pa.Table.from_pylist(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
-        raise ValueError(f"{name}_dataset cannot be stored as parquet ({error}); give each column one type in "
-                         "every row") from error
+        raise ValueError(f"{name}_dataset cannot be stored as parquet: {_mixed_column(rows, columns, error)}") from error
     pq.write_table(table, partial)
     return [str(keep_beside_earlier(partial, path, _same_table, f"{name}_dataset rows"))]
+
+
+def _mixed_column(rows: list[dict[str, Any]], columns: list[str], error: Exception) -> str:
+    """Which column holds values of more than one type, and of which (a string prompt in one row, chat messages in
+    another), for the refusal; pyarrow's own error where no single column is to blame."""
+    import pyarrow as pa
+
+    for column in columns:
+        try:
+            pa.array([row[column] for row in rows])
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            kinds: dict[str, int] = {}
+            for index, row in enumerate(rows):
+                if row[column] is not None:
+                    kinds.setdefault(type(row[column]).__name__, index)
+            shown = " and ".join(f"{kind} (row {index})" for kind, index in kinds.items())
+            hint = " (a prompt is a string or chat messages, not both)" if column == "prompt" else ""
+            return f"column {column!r} holds values of types {shown}; give the column one type in every row{hint}"
+    return f"{error}; give each column one type in every row"
 
 
 def _rows_of(dataset: Any, name: str) -> list[dict[str, Any]]:
