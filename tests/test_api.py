@@ -389,7 +389,7 @@ def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path)
         write_dataset(42, tmp_path, "train")
     with pytest.raises(ValueError, match=r"^train_dataset cannot be stored as parquet: column 'prompt' holds values "
                                          r"of types str \(row 0\) and list \(row 1\); .* not both\)$"):
-        write_dataset([{"prompt": "1+1="}, {"prompt": [{"role": "user", "content": "2+2="}]}], tmp_path, "mixed")
+        write_dataset([{"prompt": "1+1="}, {"prompt": [{"role": "user", "content": "2+2="}]}], tmp_path / "mixed", "train")
 
 
 @pytest.mark.slow
