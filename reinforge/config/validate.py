@@ -144,7 +144,11 @@ def validate_lora(lora: LoraConfig) -> None:
 
 
 def validate_run(trainer: RunConfig) -> None:
-    """The run-folder settings that RL and SFT share: length, device, cadence, resume."""
+    """The run-folder settings that RL and SFT share: folder, length, device, cadence, resume."""
+    if not str(trainer.output_dir).strip():  # an unset shell variable ($RUN_DIR): the current folder would be the run's
+        raise ConfigError("trainer.output_dir is empty, which would make the current folder the run folder (its "
+                          "checkpoints/, metrics.jsonl, and what trainer.resume=never removes); name the run's own "
+                          "folder, e.g. trainer.output_dir=runs/my_run")
     if trainer.total_steps is not None and trainer.total_steps < 1:
         raise ConfigError(f"trainer.total_steps={trainer.total_steps} trains nothing; set it to 1 or more, or "
                           "leave it unset (null) to train trainer.total_epochs over the data")
