@@ -870,6 +870,25 @@ def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(t
     assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
 
 
+def test_a_callback_defining_events_a_run_never_calls_is_warned_of(caplog):
+    from transformers import PrinterCallback, TrainerCallback
+
+    from reinforge.api.callbacks import callback_objects
+
+    class OnSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            pass
+
+        def on_log(self, args, state, control, **kwargs):
+            pass
+
+    with caplog.at_level("WARNING", logger="reinforge.api.callbacks"):
+        made = callback_objects([OnSave, PrinterCallback()])
+    assert [type(callback) for callback in made] == [OnSave, PrinterCallback]
+    assert [record.getMessage().split(" (")[0] for record in caplog.records] == [
+        "callback OnSave defines on_save, which a reinforge run never calls"]
+
+
 def test_a_callback_that_sets_should_training_stop_ends_the_run_after_that_step(tmp_path, tiny_model_dir):
     from transformers import TrainerCallback
 

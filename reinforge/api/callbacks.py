@@ -13,11 +13,14 @@ the run after the reinforge step it was set in (a checkpoint saved, as at the la
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from reinforge.tracking.backends import TrackingBackend
+
+logger = logging.getLogger(__name__)
 
 TRL_METRIC_NAMES = {
     "loss": ("train/loss", "actor/pg_loss"),
@@ -72,15 +75,31 @@ def logged_history(run_dir: Path, last_step: int, updates: int = 1) -> list[dict
 
 
 def callback_objects(callbacks: Sequence[Any] | None) -> list[Any]:
-    """TRL takes callback classes or instances; a class is made without arguments."""
+    """TRL takes callback classes or instances; a class is made without arguments. A callback that defines events a
+    reinforge run never calls (on_save, on_evaluate...) is said to, once, in a warning naming them."""
     made = []
     for callback in callbacks or ():
         callback = callback() if isinstance(callback, type) else callback
         if not any(hasattr(callback, event) for event in CALLBACK_EVENTS):
             raise TypeError(f"callbacks holds a {type(callback).__name__}, which has none of "
                             f"{', '.join(CALLBACK_EVENTS)}; pass transformers.TrainerCallback objects")
+        uncalled = _uncalled_events(callback)
+        if uncalled:
+            logger.warning("callback %s defines %s, which a reinforge run never calls (it calls %s; validation "
+                           "metrics reach on_log, checkpoints are written under output_dir/checkpoints)",
+                           type(callback).__name__, ", ".join(uncalled), ", ".join(CALLBACK_EVENTS))
         made.append(callback)
     return made
+
+
+def _uncalled_events(callback: Any) -> list[str]:
+    """The ``on_*`` events of transformers' TrainerCallback that ``callback`` defines for itself and that a reinforge
+    run does not call."""
+    from transformers import TrainerCallback
+
+    return [name for name in dir(TrainerCallback) if name.startswith("on_") and name not in CALLBACK_EVENTS
+            and callable(getattr(callback, name, None))
+            and getattr(type(callback), name, None) is not getattr(TrainerCallback, name)]
 
 
 class CallbackHandler:
