@@ -57,7 +57,11 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 def install_stop_handlers() -> None:
-    """Route SIGINT and SIGTERM through ``_stop``; only the main thread can install signal handlers."""
+    """Route SIGINT and SIGTERM through ``_stop``; only the main thread can install signal handlers. A run starts
+    with no stop noted: an earlier run of this process (a notebook, a script calling the CLI twice) stopped for
+    itself."""
+    stop_signal.clear()
+    abandoned.clear()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGTERM, _stop)

@@ -37,3 +37,24 @@ def test_a_signal_while_the_interpreter_shuts_down_exits_at_once_with_130_and_no
     assert done.returncode == 130, done.stderr
     assert done.stdout == "finished\n"  # printed before the signal: flushed, not lost with the exit
     assert done.stderr == f"\n{signum.name} while exiting: exiting at once\n"
+
+
+def test_a_second_run_in_one_process_is_told_of_its_own_stop_only():
+    """Two runs stopped in one interpreter (a notebook, a script calling the CLI twice): the second's line names its
+    own signal, not the first's, and nothing the first dropped."""
+    script = textwrap.dedent("""
+        import os, signal
+        from reinforge import stop_signals
+        for signum, dropped in ((signal.SIGTERM, "the generation under way"), (signal.SIGINT, None)):
+            stop_signals.install_stop_handlers()
+            try:
+                os.kill(os.getpid(), signum)
+            except KeyboardInterrupt:
+                if dropped:
+                    stop_signals.note_abandoned(dropped)
+                print(stop_signals.stopped_message())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30)
+    first, second = done.stdout.splitlines()
+    assert first.startswith("stopped by SIGTERM") and "the generation under way" in first
+    assert second.startswith("stopped by SIGINT") and "the generation under way" not in second
