@@ -134,6 +134,7 @@ class RewardManager:
         self._logged: set[str] = set()
         self._warned_scale = False
         self._warned_constant = False
+        self._warned_unscored = False
         self._constant_score: float | None = None
         self._constant_batches = 0
 
@@ -235,6 +236,11 @@ class RewardManager:
                                                  error[2] if error else None, first[0], data_sources[first[1][0]]))
         for kind, (function, indices, details) in first_failures.items():
             self._log_once(kind, function, indices, data_sources[indices[0]], details)
+        if num_samples and not self._warned_unscored and np.isnan(function_scores).all():
+            self._warned_unscored = True  # TRL's "all reward functions returned None", once a run
+            logger.warning("every reward function returned None (does not apply) for every sample of a batch "
+                           "(data_source %r), so each scores 0 and the batch teaches nothing; return a score where "
+                           "a function applies. Warned once.", data_sources[0])
         scores = torch.as_tensor(combine(function_scores, [function.weight for function in self.functions]),
                                  dtype=torch.float32)
         failed = torch.tensor([failure is not None for failure in failures], dtype=torch.bool)

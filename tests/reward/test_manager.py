@@ -480,6 +480,20 @@ def test_trl_functions_are_called_once_per_batch_and_weighted_with_none_left_out
     assert metrics["rewards/exact_or_none/std"] == pytest.approx(2 ** -0.5)
 
 
+def test_functions_that_score_no_sample_of_a_batch_are_warned_about_once(byte_tokenizer, caplog):
+    def never_applies(completions, **kwargs):
+        return [None] * len(completions)
+
+    batch = make_batch(byte_tokenizer, ["7", "8"], ["7", "7"], ["x"] * 2)
+    batch["raw_prompt"] = ["q"] * 2
+    with (RewardManager(RewardConfig(num_workers=0), byte_tokenizer, functions=[never_applies]) as manager,
+          caplog.at_level(logging.WARNING, logger="reinforge.reward.manager")):
+        for _ in range(2):
+            assert manager.score(batch).scores.tolist() == [0.0, 0.0]
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "every reward function returned None" in warnings[0] and "\n" not in warnings[0]
+
+
 def logging_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
     """What TRL 1.16 gives a reward function besides the rows: log_metric, log_extra and its TrainerState."""
     log_metric("completions/chars", sum(len(completion) for completion in completions) / len(completions))
