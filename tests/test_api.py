@@ -242,6 +242,14 @@ def test_a_setting_set_on_the_config_after_it_is_made_counts():
 def test_an_unknown_or_unfitting_setting_is_one_line():
     with pytest.raises(TypeError, match="GRPOConfig has no setting 'learnig_rate'; did you mean learning_rate?"):
         GRPOConfig(learnig_rate=1e-6)
+    with pytest.raises(TypeError, match=r"^GRPOConfig has no setting 'foo'; it takes TRL's names \(the \d+ of "
+                                        r"sorted\(GRPOConfig.SETTINGS\)\), and reinforge's own keys as overrides=") as refused:
+        GRPOConfig(foo=1)
+    assert len(str(refused.value)) < 200  # one line a person reads, not every name
+    with pytest.raises(ValueError, match=r"reward_weights='1.0': give a list of numbers, one per reward function"):
+        GRPOConfig(reward_weights="1.0").to_overrides()  # it said: could not convert string to float: '.'
+    with pytest.raises(AttributeError, match="has no setting 'learnig_rate'; did you mean learning_rate?"):
+        GRPOConfig().learnig_rate = 1e-6
     with pytest.raises(TypeError, match=r"^GRPOConfig\(fsdp=...\): TRL's fsdp has no counterpart here, reinforge "
                                         r"places and shards the model itself .*; remove it$"):
         GRPOConfig(fsdp="full_shard")

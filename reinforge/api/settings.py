@@ -123,6 +123,21 @@ def _bias_correction_kl(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _weights(value: Any) -> list[float]:
+    """reward_weights as a list of numbers, one per reward function; anything else is one line."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise ValueError(f"reward_weights={value!r}: give a list of numbers, one per reward function, in "
+                         "reward_funcs' order (e.g. [1.0, 0.5])")
+    weights = []
+    for weight in value:
+        try:
+            weights.append(float(weight))
+        except (TypeError, ValueError):
+            raise ValueError(f"reward_weights={list(value)!r}: {weight!r} is not a number; give a list of numbers, "
+                             "one per reward function, in reward_funcs' order") from None
+    return weights
+
+
 def _scale_rewards(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if value in (True, "group"):
         return {"algorithm.norm_adv_by_std": True}
@@ -339,7 +354,7 @@ GRPO_SETTINGS: dict[str, Override] = {
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
     "num_iterations": ("actor.ppo_epochs", _to("actor.ppo_epochs")),
     "reward_weights": ("reward.weights", lambda value, settings: {} if value is None else {
-        "reward.weights": [float(weight) for weight in value]}),
+        "reward.weights": _weights(value)}),
     "num_completions_to_print": ("trainer.num_logged_samples", lambda value, settings: {} if value is None else {
         "trainer.num_logged_samples": value}),
     **RUN_SETTINGS,
@@ -446,8 +461,8 @@ class _TrainingArguments:
                 close = difflib.get_close_matches(name, list(self.SETTINGS), n=1)
                 hint = f"did you mean {close[0]}? " if close else ""
                 raise TypeError(f"{type(self).__name__} has no setting {name!r}; {hint}it takes TRL's names "
-                                f"{', '.join(sorted(self.SETTINGS))}, and reinforge's own keys as "
-                                "overrides={'rollout.top_p': 0.9}")
+                                f"(the {len(self.SETTINGS)} of sorted({type(self).__name__}.SETTINGS)), and reinforge's "
+                                "own keys as overrides={'rollout.top_p': 0.9}")
         self.settings = dict(settings)
         self.overrides = overrides
 
@@ -463,7 +478,9 @@ class _TrainingArguments:
         elif name in type(self).SETTINGS:
             self.settings[name] = value
         else:
-            raise AttributeError(f"{type(self).__name__} has no setting {name!r}; it takes TRL's names, and "
+            close = difflib.get_close_matches(name, list(type(self).SETTINGS), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}; {hint}it takes TRL's names, and "
                                  "reinforge's own keys as overrides={'rollout.top_p': 0.9}")
 
     def __repr__(self) -> str:
