@@ -10,7 +10,8 @@ the settings that differ between a checkpoint's run and this one: settings the t
 as it goes (sampling, loss coefficients, the optimizer's hyperparameters, which the workers
 re-apply after loading the optimizer state, the step count) take effect and are recorded in
 ``config.yaml``; settings that would make the checkpoint mean something else (the model, the
-data and its order, the seed, the estimator) are refused, naming each difference, and so is another
+data and its order, the seed, the estimator) are refused, naming each difference (a setting the checkpoint's config
+does not name, added to reinforge after it was written, takes this run's value), and so is another
 ``trainer.experiment_name``: a second experiment never continues the first one's checkpoints.
 """
 
@@ -179,13 +180,15 @@ def check_resumed_settings(old: dict[str, Any] | None, new: dict[str, Any], refu
                          f"experiment {experiment[1]!r}; give the new experiment its own trainer.output_dir, or set "
                          f"trainer.experiment_name={experiment[0]} to resume that one")
     changes = config_changes(old, new)
-    blocked = [change for change in changes
-               if any(change[0] == key or (key.endswith(".") and change[0].startswith(key)) for key in refused)]
+    named = flatten(old)  # a key the checkpoint's config lacks is a setting added since its reinforge wrote it
+    blocked = [change for change in changes if change[0] in named
+               and any(change[0] == key or (key.endswith(".") and change[0].startswith(key)) for key in refused)]
     if blocked:
         listed = ", ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in blocked)
         raise ValueError(f"resuming {checkpoint} with changed settings it cannot take: {listed}; restore them, or "
                          "start a new run (another trainer.output_dir, or trainer.resume=never to replace this one)")
     if changes:
-        listed = ", ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
+        listed = ", ".join(f"{key}: {repr(before) if key in named else '(not in the checkpoint)'} -> {after!r}"
+                           for key, before, after in changes)
         logger.warning("resuming %s with changed settings, which apply from here on (recorded in config.yaml): %s",
                        checkpoint, listed)

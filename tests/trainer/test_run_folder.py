@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -195,6 +196,21 @@ def test_a_resumed_lora_run_may_not_change_its_adapters_shape(tmp_path):
         with pytest.raises(ValueError, match=rf"changed settings it cannot take: model.lora.{next(iter(change))}:"):
             check_resumed_settings(old, new, RESUME_REFUSES, tmp_path)
     check_resumed_settings(old, {"model": {"lora": old["model"]["lora"] | {"alpha": 32}}}, RESUME_REFUSES, tmp_path)
+
+
+def test_a_checkpoint_written_before_a_setting_existed_resumes_with_that_settings_value(tmp_path, caplog):
+    """A reinforge that had no trainer.mode wrote the checkpoint: this run's trainer.mode is no change it refuses."""
+    from reinforge.trainer.rl_trainer import RESUME_REFUSES
+    from reinforge.trainer.run_folder import check_resumed_settings
+
+    old = {"trainer": {"seed": 1}, "data": {"shuffle": True}}
+    with caplog.at_level(logging.WARNING, logger="reinforge.trainer.run_folder"):
+        check_resumed_settings(old, {"trainer": {"seed": 1, "mode": "sync"}, "data": {"shuffle": True}}, RESUME_REFUSES,
+                               tmp_path)
+    assert "trainer.mode: (not in the checkpoint) -> 'sync'" in caplog.text
+    with pytest.raises(ValueError, match="changed settings it cannot take: trainer.seed: 1 -> 2"):
+        check_resumed_settings(old, {"trainer": {"seed": 2, "mode": "sync"}, "data": {"shuffle": True}},
+                               RESUME_REFUSES, tmp_path)
 
 
 @pytest.mark.parametrize("trainer, key, value", [
