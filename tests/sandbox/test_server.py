@@ -159,7 +159,8 @@ def test_rate_limit_answers_429_with_retry_after(start_server):
     body = json.dumps({"code": "print(1)", "language": "python"}).encode()
     codes = [_post(server.url, body) for _ in range(3)]
     assert [code for code, _, _ in codes] == [200, 200, 429]
-    assert codes[2][2]["Retry-After"] == "2" and "rate limit" in codes[2][1]["detail"]
+    # the next token is at most 1 / 0.5 s away: less when the two runs took long enough for part of it to refill
+    assert codes[2][2]["Retry-After"] in ("1", "2") and "rate limit" in codes[2][1]["detail"]
 
 
 def test_full_queue_answers_503_at_once(start_server):

@@ -764,7 +764,7 @@ def test_serve_settings_no_request_could_use_are_refused_before_the_model_loads(
 
 
 def test_a_port_another_server_holds_is_refused_before_the_model_loads(tmp_path):
-    """It used to be said only after the model had loaded."""
+    """The port is checked before the model loads, not when the server starts listening."""
     import socket
 
     from reinforge.serve.command import serve_main
