@@ -87,12 +87,14 @@ def _run_labels(run_dirs: list[Path]) -> list[str]:
 
 
 def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str] | None = None,
-              smoothing: float = 0.6, runs: list[dict[str, list[tuple[int, float]]]] | None = None) -> list[Path]:
+              smoothing: float = 0.6, runs: list[dict[str, list[tuple[int, float]]]] | None = None,
+              folder_setting: str = "--out") -> list[Path]:
     """Write one PNG per metric key and return their paths.
 
     ``out_dir`` defaults to ``RUN_DIR/plots`` for one run, and to a ``plots`` folder next to the
     first run for several. Files are named after the key with slashes as underscores. ``runs``: each
-    run's ``load_run_metrics``, already read (None: read here).
+    run's ``load_run_metrics``, already read (None: read here). ``folder_setting``: what a failed write's line
+    says to point elsewhere (the command's flag, or a training run's ``trainer.output_dir``).
     """
     import matplotlib
 
@@ -125,7 +127,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise write_failure(out_dir, error, "the plots' folder", "--out") from None
+        raise write_failure(out_dir, error, "the plots' folder", folder_setting) from None
 
     written = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -151,7 +153,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
             with replaced_atomically(path, durable=False) as temporary:
                 figure.savefig(temporary, format="png")
         except OSError as error:
-            raise write_failure(path, error, f"the plot of {key}", "--out") from None
+            raise write_failure(path, error, f"the plot of {key}", folder_setting) from None
         finally:
             plt.close(figure)
         written.append(path)
@@ -189,7 +191,7 @@ class PlotsBackend(TrackingBackend):
                                 self.run_dir / "plots", self.run_dir)
                     keys = keys[:self.MAX_CHARTS]
                 if keys:
-                    plot_runs([self.run_dir], keys=keys, runs=[run])
+                    plot_runs([self.run_dir], keys=keys, runs=[run], folder_setting="trainer.output_dir")
         except Exception as error:  # noqa: BLE001 - the run's numbers are safe in metrics.jsonl
             logger.warning("the plots logger drew no charts into %s: %s; reinforge plot %s draws them from "
                            "metrics.jsonl", self.run_dir / "plots", error, self.run_dir)

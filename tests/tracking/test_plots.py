@@ -99,7 +99,7 @@ def test_a_failed_redraw_leaves_the_last_good_png(tmp_path, monkeypatch):
 
 
 def test_the_plots_logger_draws_a_runs_charts_when_it_ends_and_a_failure_costs_one_line(tmp_path, monkeypatch,
-                                                                                          caplog):
+                                                                                     caplog):
     from reinforge.tracking import plots as plots_module
     from reinforge.tracking.tracker import Tracker
 
@@ -183,3 +183,22 @@ def test_the_plots_logger_reads_metrics_jsonl_once_and_draws_what_reinforge_plot
     assert [path.name for path in drawn] == [path.name for path in again] == [
         "actor_entropy.png", "critic_score_mean.png", "val_loss.png"]
     assert [path.read_bytes() for path in drawn] == [path.read_bytes() for path in again]
+
+
+def test_a_training_runs_failed_chart_names_its_output_dir_not_the_plot_commands_flag(tmp_path, monkeypatch,
+                                                                                     caplog):
+    """A training run has no --out: its line said to set it."""
+    from matplotlib.figure import Figure
+
+    from reinforge.tracking.tracker import Tracker
+
+    def full(self, target, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    with Tracker(tmp_path / "run", ["jsonl", "plots"]) as tracker:
+        tracker.log({"critic/score/mean": 1.0}, 1)
+    [line] = [record.getMessage() for record in caplog.records]
+    assert "set trainer.output_dir to a folder on another disk" in line and "--out" not in line
+    with pytest.raises(OSError, match="set --out to a folder on another disk"):
+        plot_runs([tmp_path / "run"], keys=["critic/score/mean"])
