@@ -99,7 +99,7 @@ def test_a_failed_redraw_leaves_the_last_good_png(tmp_path, monkeypatch):
 
 
 def test_the_plots_logger_draws_a_runs_charts_when_it_ends_and_a_failure_costs_one_line(tmp_path, monkeypatch,
-                                                                                     caplog):
+                                                                                          caplog):
     from reinforge.tracking import plots as plots_module
     from reinforge.tracking.tracker import Tracker
 
