@@ -187,6 +187,43 @@ def check_writes_text(path: str, key: str) -> None:
                           "reward.reward_model.model_path")
 
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def check_checkpoint_room(model_path: str, output_dir: str, adapters_only: bool, key: str = "trainer.output_dir"
+                          ) -> None:
+    """One ConfigError when the disk of ``output_dir`` cannot hold even one checkpoint, which every run writes (at
+    least at its end): its hf/ model alone takes about half the bytes of ``model_path``'s weight files or more (they
+    may be float32 where the checkpoint is bfloat16). A run whose checkpoints hold adapters (LoRA) is not checked,
+    nor a model that is no local folder."""
+    import shutil
+
+    folder = Path(model_path).expanduser()
+    if adapters_only or not folder.is_dir():
+        return
+    weights = sum(path.stat().st_size for path in folder.iterdir()
+                  if path.is_file() and path.name.endswith(WEIGHT_FILE_SUFFIXES))
+    existing = Path(output_dir).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # the run folder's own checks say what is wrong with it
+    if free < weights // 2:
+        raise ConfigError(f"{key}={output_dir}: its disk has {_bytes_text(free)} free, and a checkpoint (every run "
+                          f"writes one, at least at its end) holds the model's weights, about {_bytes_text(weights // 2)} "
+                          f"or more ({model_path} has {_bytes_text(weights)} of them); free space there, or set "
+                          f"{key} to a folder on a disk with room")
+
+
+def _bytes_text(count: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
 def refuse_launched_processes(what: str, fix: str) -> None:
     """Refuse a run that a launcher (torchrun) started as several processes (``WORLD_SIZE`` > 1) where ``what``
     runs in one: each process would run all of it, into the same run folder."""
@@ -268,6 +305,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
     check_model_config(config.model.path)  # its experts and window, also where no memory setting is auto
+    check_checkpoint_room(config.model.path, config.trainer.output_dir, bool(config.model.lora.rank))
     longest, source = config.data.max_prompt_length + config.data.max_response_length, \
         "data.max_prompt_length + data.max_response_length"
     warn_if_beyond_context(config.model.path, longest, source)  # refused here where positions are a learned table
@@ -441,6 +479,7 @@ def preflight_sft(config: SFTConfig) -> Any:
                               "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     check_model_config(config.model.path)
+    check_checkpoint_room(config.model.path, config.trainer.output_dir, bool(config.model.lora.rank))
     check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
     processor = run_processor(config.model, config.data)  # its pixel bounds refused before the run folder opens
     require_logger_packages(config.trainer.loggers)

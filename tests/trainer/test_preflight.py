@@ -274,3 +274,24 @@ def test_a_router_aux_loss_coef_on_a_model_without_experts_is_refused_naming_the
         check_router_aux_loss_has_experts("actor.router_aux_loss_coef", value, dense)
     experts = ModelConfig(path=str(save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=1)))
     check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.01, experts)
+
+
+def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_model_loads(rl_args, tmp_path, monkeypatch):
+    """A run on a nearly full disk trained every step and failed at its first checkpoint."""
+    import shutil
+    from collections import namedtuple
+
+    from reinforge.trainer import preflight as preflight_module
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 24_000, 24_000))
+    config = load_config(None, rl_args(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^trainer.output_dir=.*run: its disk has 24.0 KB free, and a checkpoint "
+                                          r"\(every run writes one, at least at its end\) holds the model's weights, "
+                                          r"about .* or more .*; free space there, or set trainer.output_dir to a "
+                                          r"folder on a disk with room$"):
+        RLTrainer(config)
+    assert not (tmp_path / "run").exists()
+    preflight_module.check_checkpoint_room(config.model.path, str(tmp_path / "run"), adapters_only=True)  # LoRA
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    preflight_module.check_checkpoint_room(config.model.path, str(tmp_path / "run" / "a" / "b"), adapters_only=False)
