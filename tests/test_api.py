@@ -246,6 +246,10 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
                                         r"sorted\(GRPOConfig.SETTINGS\)\), and reinforge's own keys as overrides=") as refused:
         GRPOConfig(foo=1)
     assert len(str(refused.value)) < 200  # one line a person reads, not every name
+    from reinforge.api.inputs import reward_functions_of
+
+    with pytest.raises(ValueError, match=r"^reward_funcs=\[\] names no reward function; give at least one"):
+        reward_functions_of([], {})  # it scored by data_source and blamed reward.custom_function
     with pytest.raises(ValueError, match=r"reward_weights='1.0': give a list of numbers, one per reward function"):
         GRPOConfig(reward_weights="1.0").to_overrides()  # it said: could not convert string to float: '.'
     with pytest.raises(AttributeError, match="has no setting 'learnig_rate'; did you mean learning_rate?"):

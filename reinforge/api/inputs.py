@@ -288,7 +288,7 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any], folder: Pat
                         processing_classes: Any = None) -> list[Callable[..., Any]] | None:
     """The function objects of ``reward_funcs`` (one or a list: callables, ``path.py[:function]`` specs, or one reward
     model: its folder, hub id or loaded model, saved into ``folder/reward_model`` with its tokenizer from
-    ``processing_classes``, TRL's reward_processing_classes, in the same order); None or [] -> None.
+    ``processing_classes``, TRL's reward_processing_classes, in the same order); None -> None, and [] is refused.
 
     A reward model goes into ``settings`` as ``reward.reward_model`` with its weight of ``reward.weights`` as
     ``reward.combine.rm_weight`` (summed with the functions, as TRL sums; alone, its score is the reward).
@@ -296,6 +296,9 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any], folder: Pat
     if reward_funcs is None:
         return None
     items = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    if not items:
+        raise ValueError(f"reward_funcs={reward_funcs!r} names no reward function; give at least one, or leave "
+                         "reward_funcs out to score each row by its data_source's built-in scorer")
     tokenizers = _reward_tokenizers(processing_classes, len(items))
     functions: list[Callable[..., Any]] = []
     model_positions = []
