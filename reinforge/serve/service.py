@@ -96,7 +96,7 @@ MAX_TOP_LOG_PROBS = 20
 
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
 """Request keys the engine has no way to honour, with the values that ask for nothing (accepted, as clients send
 them by default); any other value is refused rather than ignored."""

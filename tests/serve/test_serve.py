@@ -218,6 +218,8 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
         assert response.choices[0].message.content == "one " and response.choices[0].finish_reason == "stop"
         completion = client.completions.create(model="m", prompt="count:", logprobs=1, n=2)
         assert [choice.text for choice in completion.choices] == ["one two three"] * 2
+        with pytest.raises(openai.BadRequestError, match="suffix=\"end\" is not supported"):  # it was ignored
+            client.completions.create(model="m", prompt="count:", suffix="end")
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=5)
         assert error.value.body["message"] == "temperature=5 is out of range; send a number from 0.0 to 2.0"
