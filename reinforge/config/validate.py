@@ -457,8 +457,8 @@ def _check_modes(config: Config) -> None:
     trainer, rollout = config.trainer, config.rollout
     choose("trainer.mode", trainer.mode)
     choose("trainer.proximal", trainer.proximal)
-    if trainer.max_staleness < 0:
-        raise ConfigError(f"trainer.max_staleness={trainer.max_staleness} must be 0 (on-policy) or more")
+    _finite("trainer.max_staleness", trainer.max_staleness, at_least=0,
+            fix=" (0: on-policy; each unit lets the rollouter run one weight version ahead)")
     if trainer.trigger_sync_steps < 1:
         raise ConfigError(f"trainer.trigger_sync_steps={trainer.trigger_sync_steps} must be at least 1")
     if rollout.segment_tokens is not None and (

@@ -426,6 +426,8 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     (["trainer.seed=-1"], r"trainer.seed=-1 must be between 0 and 4294967295"),
     (["data.seed=4294967296"], r"data.seed=4294967296 must be between 0 and 4294967295"),
     (["data.val_batch_size=0"], r"data.val_batch_size=0 must be at least 1, or null"),
+    (["trainer.mode=async", "trainer.max_staleness=.inf"], r"trainer.max_staleness=inf must be a finite number >= 0"),
+    (["trainer.mode=async", "trainer.max_staleness=nan"], r"trainer.max_staleness=nan must be a finite number >= 0"),
 ])
 def test_values_refused_only_after_the_model_loaded_are_refused_with_the_config(overrides, message):
     """Each of these passed validation and failed once the model had loaded (AdamW's own checks, the KL controller,
