@@ -309,6 +309,31 @@ def test_an_instance_created_after_its_call_timed_out_is_released_once_it_exists
     assert live_at_the_end == set() and SlowToCreate.live == set()
 
 
+class NeverReleases(BaseTool):
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        return ToolResult("ok")
+
+    async def release(self, instance_id):
+        await asyncio.sleep(3600)
+
+
+def test_a_release_that_never_returns_does_not_hold_the_trajectory(chatml_tokenizer, scripted_client):
+    schema = {"type": "function", "function": {"name": "stuck", "description": "s",
+                                                "parameters": {"type": "object", "properties": {}}}}
+    context = AgentContext(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("stuck"), "done"]),
+                           MultiTurnConfig(tool_timeout_s=0.1), {"stuck": NeverReleases({}, schema)})
+    prompt_ids = chatml_tokenizer.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+
+    async def step():
+        run = get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=2000, seed=3),
+                                                        prompt_ids=list(prompt_ids))
+        return await asyncio.wait_for(run, 5)  # the trajectory waited for the release for ever
+
+    output = asyncio.run(step())
+    assert output.finish_reason == "stop" and "ok" in tool_texts(chatml_tokenizer, output)
+
+
 class StopsAtToolCall:
     """A client whose turns end at a stop token (rollout.stop_token_ids), not at the end-of-turn token."""
 
