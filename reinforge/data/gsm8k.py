@@ -8,11 +8,13 @@ the format the ``openai/gsm8k`` scorer checks in strict mode.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from reinforge.data.files import read_rows
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -45,24 +47,30 @@ RowMaker = Callable[[str, str, str, int], dict[str, Any]]
 
 
 def read_gsm8k_split(path: str | Path, split: str, make_row: RowMaker = make_gsm8k_row) -> list[dict[str, Any]]:
+    """The RL rows of one GSM8K JSONL file; a line that is not an object with a ``question`` and an ``answer``
+    string is one line naming it (a byte-order mark and CRLF line ends are read as any JSONL file's)."""
     rows = []
-    with Path(path).open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "question" not in record or "answer" not in record:
-                raise ValueError(f"line {line_number} of {path} has no 'question' and 'answer'; "
-                                 "is this GSM8K's JSONL from openai/grade-school-math?")
-            try:
-                rows.append(make_row(record["question"], record["answer"], split, len(rows)))
-            except ValueError as error:
-                raise ValueError(f"line {line_number} of {path}: {error}") from None
+    for number, record in enumerate(read_rows(path)):
+        where = f"row {number} of {path}"
+        if "question" not in record or "answer" not in record:
+            raise ValueError(f"{where} has no 'question' and 'answer'; is this GSM8K's JSONL from "
+                             "openai/grade-school-math?")
+        for key in ("question", "answer"):
+            if not isinstance(record[key], str):
+                raise ValueError(f"{where} has {key!r} of type {type(record[key]).__name__}; GSM8K rows hold "
+                                 "the question and its worked answer as strings")
+        try:
+            rows.append(make_row(record["question"], record["answer"], split, len(rows)))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    if not rows:
+        raise ValueError(f"{path} holds no rows; --src must be the folder holding GSM8K's train.jsonl and test.jsonl")
     return rows
 
 
 def convert_gsm8k(src_dir: str | Path, out_dir: str | Path, make_row: RowMaker = make_gsm8k_row) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns the paths by split."""
+    """Write ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns the paths by split. Both splits are
+    read before either file is written, and each file is written whole or not at all."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -71,10 +79,16 @@ def convert_gsm8k(src_dir: str | Path, out_dir: str | Path, make_row: RowMaker =
     if missing:
         raise FileNotFoundError(f"GSM8K source files not found: {', '.join(missing)}; --src must be the folder "
                                 "holding train.jsonl and test.jsonl from openai/grade-school-math")
+    tables = {split: pa.Table.from_pylist(read_gsm8k_split(src_dir / f"{split}.jsonl", split, make_row))
+              for split in SPLITS}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for split in SPLITS:
-        rows = read_gsm8k_split(src_dir / f"{split}.jsonl", split, make_row)
+    for split, table in tables.items():
         written[split] = out_dir / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), written[split])
+        partial = out_dir / f".{split}.parquet.partial"
+        try:
+            pq.write_table(table, partial)
+            os.replace(partial, written[split])
+        finally:
+            partial.unlink(missing_ok=True)
     return written

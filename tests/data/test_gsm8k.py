@@ -45,3 +45,27 @@ def test_cli_command_and_missing_source(tmp_path, capsys):
     assert "wrote train rows" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="--src must be the folder holding train.jsonl and test.jsonl"):
         convert_gsm8k(tmp_path / "nowhere", tmp_path / "out")
+
+
+@pytest.mark.parametrize("train, refusal", [
+    ('{"question": "q", "answer": "#### 3"}\n{"question": "x", "ans', r"line 2 of .*train.jsonl is not valid JSON"),
+    ('{"question": "q", "answer": null}\n', r"row 0 of .*train.jsonl has 'answer' of type NoneType"),
+    ("\n", r"train.jsonl holds no rows"),
+])
+def test_a_malformed_source_is_one_line_naming_the_line_and_nothing_is_written(tmp_path, train, refusal):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.jsonl").write_text(train)
+    (tmp_path / "src" / "test.jsonl").write_bytes((SAMPLE / "test.jsonl").read_bytes())
+    with pytest.raises(ValueError, match=refusal):
+        convert_gsm8k(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_a_source_with_a_byte_order_mark_and_crlf_line_ends_converts(tmp_path):
+    (tmp_path / "src").mkdir()
+    for split in ("train", "test"):
+        lines = (SAMPLE / f"{split}.jsonl").read_text().splitlines()[:2]
+        (tmp_path / "src" / f"{split}.jsonl").write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode())
+    written = convert_gsm8k(tmp_path / "src", tmp_path / "out")
+    assert pq.read_table(written["train"]).num_rows == 2 and sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "test.parquet", "train.parquet"]
