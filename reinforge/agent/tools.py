@@ -198,8 +198,21 @@ def _as_text(value: Any) -> str:
         return value
     if isinstance(value, bytes | bytearray):  # a subprocess's output, say: its text, not its repr
         return bytes(value).decode("utf-8", errors="replace")
-    if isinstance(value, dict | list):
-        return json.dumps(value)
+    if isinstance(value, dict | list):  # the model reads its characters as they are, not as \u escapes
+        return json.dumps(value, ensure_ascii=False, default=_json_value)
+    return str(value)
+
+
+def _json_value(value: Any) -> Any:
+    """A value json cannot write, as one it can: a numpy scalar's or array's Python value, else its text (a tool's
+    dict holding an np.int64 or a datetime is an answer, not a failed call)."""
+    for method in ("tolist", "item"):
+        convert = getattr(value, method, None)
+        if callable(convert):
+            try:
+                return convert()
+            except Exception:  # noqa: BLE001  (not numpy's: its text will do)
+                pass
     return str(value)
 
 

@@ -69,6 +69,17 @@ def test_function_tool_returns_text_and_reward_and_takes_row_kwargs():
     assert result == ToolResult("v", 0.25, {})
 
 
+def test_a_tools_dict_is_shown_with_its_characters_and_numpy_values():
+    import datetime
+
+    import numpy as np
+
+    from reinforge.agent.tools import as_tool_result
+
+    value = {"n": np.int64(3), "xs": np.arange(2), "city": "Z\u00fcrich", "at": datetime.date(2026, 1, 2)}
+    assert as_tool_result(value).text == '{"n": 3, "xs": [0, 1], "city": "Z\u00fcrich", "at": "2026-01-02"}'
+
+
 def test_function_without_docstring_is_explained():
     def bare(a: int) -> int:
         return a
