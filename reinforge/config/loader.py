@@ -374,6 +374,35 @@ def _expand_home(config: Any) -> None:
                                   for item in value])
 
 
+TEMPLATE_MARKUP = ("{{", "{%")
+"""What every Jinja chat template holds: a text without either renders every conversation as itself."""
+
+
+def _read_chat_template_file(config: Any, sources: Mapping[str, str]) -> None:
+    """``data.chat_template`` given as the path of a template file (a ``.jinja`` as TRL's chat_template_path names
+    one) replaced by the file's text, in place; a value that is neither a template nor a file is one line (a template
+    with no ``{{`` or ``{%`` would render every prompt as that text)."""
+    data = getattr(config, "data", None)
+    value = getattr(data, "chat_template", None)
+    if not isinstance(value, str) or any(markup in value for markup in TEMPLATE_MARKUP):
+        return
+    path = Path(value.strip()).expanduser()
+    source = f" ({sources['data.chat_template']})" if "data.chat_template" in sources else ""
+    if not value.strip() or "\n" in value or not path.is_file():
+        raise ConfigError(f"data.chat_template={value[:80]!r}{source} is neither a Jinja chat template (it has no {{{{ "
+                          "or {%) nor a file, so every conversation would render as that text; give the template's "
+                          "text, the path of a template file, or null for the tokenizer's own")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"data.chat_template={value!r}{source} names a file that cannot be read as UTF-8 text "
+                          f"({error}); save the template as UTF-8") from None
+    if not any(markup in text for markup in TEMPLATE_MARKUP):
+        raise ConfigError(f"data.chat_template={value!r}{source} names {path}, which holds no Jinja chat template "
+                          "(no {{ or {%); give a template file, or null for the tokenizer's own")
+    data.chat_template = text
+
+
 @functools.cache
 def _schema_defaults(schema: type) -> Any:
     """``OmegaConf.structured(schema)``, built once: a copy of it takes a sixth of the time of building it again."""
@@ -424,6 +453,7 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
     except OmegaConfBaseException as error:  # an ${interpolation} that does not resolve, a ??? left unset
         raise ConfigError(_resolution_problem(error, merged, sources)) from error
     _expand_home(config)
+    _read_chat_template_file(config, sources)
     return config  # type: ignore[return-value]
 
 

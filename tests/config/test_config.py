@@ -92,6 +92,17 @@ def test_wrong_type_names_key_value_and_type():
             for text in ("0", "1", "yes", "off", "True")] == [False, True, True, False, True]
 
 
+def test_a_chat_template_file_is_read_and_text_that_is_no_template_is_refused(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    # the path itself, taken as a template, rendered every prompt as the path's text
+    assert load_config(None, [f"data.chat_template={tmp_path / 'chat.jinja'}"]).data.chat_template == template
+    assert load_sft_config(None, [f"data.chat_template={tmp_path / 'chat.jinja'}"]).data.chat_template == template
+    with pytest.raises(ConfigError, match=r"^data.chat_template='templates/chat.jinja' \(command line\) is neither a "
+                                          r"Jinja chat template \(it has no \{\{ or \{%\) nor a file"):
+        load_config(None, ["data.chat_template=templates/chat.jinja"])
+
+
 def test_the_decode_products_choice_defaults_to_cublas_and_refuses_other_values():
     assert load_config(None, []).rollout.decode_products == "cublas"
     assert load_config(None, ["rollout.decode_products=timed"]).rollout.decode_products == "timed"
