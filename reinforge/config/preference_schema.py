@@ -52,7 +52,8 @@ class PreferenceDataConfig:
     """Pairs per optimizer step."""
     val_batch_size: int = 64
     chat_template: Optional[str] = None
-    """A Jinja chat template that overrides the tokenizer's own (conversational pairs)."""
+    """A Jinja chat template that overrides the tokenizer's own (conversational pairs): its text, or the path of a file
+    holding it."""
     shuffle: bool = True
     seed: int = 1
     max_train_samples: Optional[int] = None

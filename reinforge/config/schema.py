@@ -60,7 +60,8 @@ class DataConfig:
     truncation: str = "error"
     """What to do with an overlong prompt that was not filtered: error, left or right."""
     chat_template: Optional[str] = None
-    """A Jinja chat template that overrides the tokenizer's own."""
+    """A Jinja chat template that overrides the tokenizer's own: its text, or the path of a file holding it (read when
+    the config loads)."""
     apply_chat_template: Optional[bool] = None
     """None: chat messages get the chat template and a string prompt is fed as it is (TRL's behaviour); true: a
     string prompt is templated too, as one user message; false: every prompt must be a string, fed as it is."""

@@ -53,7 +53,8 @@ class SFTDataConfig:
     """Rows (conversations, or packed rows) per optimizer step."""
     val_batch_size: int = 64
     chat_template: Optional[str] = None
-    """A Jinja chat template that overrides the tokenizer's own."""
+    """A Jinja chat template that overrides the tokenizer's own: its text, or the path of a file holding it (read when
+    the config loads)."""
     shuffle: bool = True
     seed: int = 1
     max_train_samples: Optional[int] = None
