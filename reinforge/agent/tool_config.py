@@ -38,6 +38,8 @@ VERL_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": GSM8K_TOOL,
               "verl.tools.sandbox_fusion_tools.SandboxFusionTool": CODE_INTERPRETER,
               "recipe.retool.retool.CustomSandboxFusionTool": CODE_INTERPRETER}
 """verl's tool classes -> ours; their entries' config keys are renamed by ``_verl_tool_config``."""
+ENTRY_KEYS = ("class_name", "config", "tool_schema")
+"""The keys of one entry of the 'tools' list (verl's too)."""
 SANDBOX_FUSION_KEYS = {"sandbox_fusion_url": "sandbox_url", "default_timeout": "run_timeout_s",
                        "num_workers": "max_concurrent_calls", "memory_limit_mb": "memory_limit_mb", "type": "type"}
 SANDBOX_FUSION_IGNORED = ("enable_global_rate_limit", "rate_limit")
@@ -76,6 +78,9 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
                          "working directory or absolute")
     try:
         document = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the tool config {path} is not UTF-8 text (byte {error.start}: {error.reason}); "
+                         "save it as UTF-8 YAML") from None
     except yaml.YAMLError as error:
         at, problem = yaml_problem(error)
         raise ValueError(f"the tool config {path} is not valid YAML{at} ({problem}); fix the file") from None
@@ -90,12 +95,19 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
             raise ValueError(f"{where} is {entry!r}; each tool needs a 'class_name' (package.module.Name or "
                              "file.py:Name)")
         class_name, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: config is {config!r}; it must be a mapping of the tool's settings "
+                             "(config: {key: value, ...}) or left out")
         if class_name in VERL_TOOLS:
             config, class_name = _verl_tool_config(class_name, dict(config), where), VERL_TOOLS[class_name]
         elif class_name.startswith("verl."):  # verl's tools subclass verl's own BaseTool: none loads here
             raise ValueError(f"{where}: {class_name} is a verl tool without a reinforge equivalent (those are "
                              f"{', '.join(VERL_TOOLS)}); port it as a reinforge BaseTool subclass or a typed function "
                              "(see reinforge/agent/tools.py) and name it by package.module.Name or file.py:Name")
+        unknown = sorted(map(str, set(entry) - set(ENTRY_KEYS)))
+        if unknown:  # a misspelt key would silently leave the tool's defaults in force
+            raise ValueError(f"{where} has key(s) {', '.join(unknown)}; a tool entry's keys are "
+                             f"{', '.join(ENTRY_KEYS)}")
         target = import_object(class_name, where)
         is_class = isinstance(target, type)
         if not (issubclass(target, BaseTool) if is_class else callable(target)):

@@ -150,6 +150,18 @@ def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
         raise ValueError(f"the tool schema of {where} is {schema!r}; expected an OpenAI function schema "
                          '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}')
+    parameters = function.get("parameters")
+    problem = None
+    if parameters is not None and not isinstance(parameters, dict):
+        problem = f"its parameters are {parameters!r}, not a mapping"
+    elif parameters is not None and not isinstance(parameters.get("properties") or {}, dict):
+        problem = f"its parameters' properties are {parameters['properties']!r}, not a mapping of names to schemas"
+    elif parameters is not None and not (isinstance(parameters.get("required") or [], list) and all(
+            isinstance(name, str) for name in parameters.get("required") or [])):
+        problem = f"its parameters' required is {parameters['required']!r}, not a list of names"
+    if problem is not None:  # every call would fail on it, or the model would read a wrong schema
+        raise ValueError(f"the tool schema of {where} ({function['name']!r}): {problem}; write parameters: "
+                         "{type: object, properties: {NAME: {type: ..., description: ...}}, required: [NAME, ...]}")
     return {"type": schema.get("type", "function"), "function": function}
 
 

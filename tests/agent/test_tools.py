@@ -125,10 +125,20 @@ def test_yaml_config_loads_classes_and_functions(tmp_path):
     ("tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n    config: {run_timeout_s: 5}\n",
      r"tool 0 of .*: making reinforge.agent.code_interpreter.CodeInterpreterTool from its config .* failed: "
      r"ValueError: the code_interpreter tool needs config.sandbox_url"),
+    ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: [a, b]\n",
+     r"tool 0 of .*: config is \['a', 'b'\]; it must be a mapping"),
+    ("tools:\n  - class_name: reinforge.agent.gsm8k_tool.Gsm8kTool\n    cofnig: {type: native}\n",
+     "tool 0 of .* has key.s. cofnig; a tool entry's keys are class_name, config, tool_schema"),
+    ("tools:\n  - class_name: reinforge.agent.gsm8k_tool.Gsm8kTool\n    tool_schema: {type: function, function: "
+     "{name: x, parameters: {type: object, properties: {code: {type: string}}, required: code}}}\n",
+     "the tool schema of Gsm8kTool .'x'.: its parameters' required is 'code', not a list of names"),
+    ("tools:\n  - class_name: reinforge.agent.gsm8k_tool.Gsm8kTool\n    tool_schema: {type: function, function: "
+     "{name: x, parameters: [code]}}\n", r"its parameters are \['code'\], not a mapping"),
+    (b"tools:\n  - class_name: caf\xe9.Tool\n", "is not UTF-8 text .byte 26: invalid continuation byte.; save it as UTF-8"),
 ])
 def test_bad_yaml_config_is_explained(tmp_path, text, message):
     config = tmp_path / "tools.yaml"
-    config.write_text(text)
+    config.write_bytes(text) if isinstance(text, bytes) else config.write_text(text)
     with pytest.raises(ValueError, match=message) as raised:
         load_tool_config(config)
     assert "\n" not in str(raised.value)
