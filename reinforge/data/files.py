@@ -120,12 +120,13 @@ def _read_jsonl(path: Path) -> list[Row]:
 def _read_json(path: Path) -> list[Row]:
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark some editors write
     except UnicodeDecodeError as error:
-        line_start = raw.rfind(b"\n", 0, error.start) + 1
-        line_end = raw.find(b"\n", error.start)
-        line = raw[line_start:line_end if line_end >= 0 else len(raw)]
-        _decoded(line, path, raw.count(b"\n", 0, error.start) + 1)  # raises, naming the line
+        body = error.object  # the bytes after a byte-order mark, which error.start counts in
+        line_start = body.rfind(b"\n", 0, error.start) + 1
+        line_end = body.find(b"\n", error.start)
+        line = body[line_start:line_end if line_end >= 0 else len(body)]
+        _decoded(line, path, body.count(b"\n", 0, error.start) + 1)  # raises, naming the line
         raise
     try:
         content = json.loads(text, object_pairs_hook=_unique_keys)

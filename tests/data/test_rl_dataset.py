@@ -240,6 +240,9 @@ def test_non_utf8_byte_names_the_file_and_line(tmp_path):
     listed.write_bytes(b'[\n{"prompt": "ok"},\n{"prompt": "caf\xe9"}\n]\n')
     with pytest.raises(ValueError, match=rf"^line 3 of {listed} has a byte that is not UTF-8 \(0xe9"):
         read_rows(listed)
+    listed.write_bytes(b'\xef\xbb\xbf[\n{"prompt": "ok"},\n\xe9{"prompt": "ok"}\n]\n')  # after a byte-order mark
+    with pytest.raises(ValueError, match=rf"^line 3 of {listed} has a byte that is not UTF-8 \(0xe9 at byte 1 of"):
+        read_rows(listed)
 
 
 def test_parquet_with_a_repeated_column_or_no_parquet_at_all_is_one_line(tmp_path):
@@ -301,6 +304,9 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_and_an_empty_string_prompt_is
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(row) + "\n" for row in ROWS).encode())
     assert read_rows(bom) == ROWS
+    listed = tmp_path / "bom.json"  # a JSON list, as Windows' editors save it
+    listed.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
+    assert read_rows(listed) == ROWS
     path = write_jsonl(tmp_path / "blank.jsonl", [ROWS[0], {**ROWS[1], "prompt": "  "}])
     with pytest.raises(ValueError, match=rf"^row 1 of {path} has an empty 'prompt' string; "):
         RLDataset(path, tiny_tokenizer, config())
