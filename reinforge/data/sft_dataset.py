@@ -644,7 +644,16 @@ class SFTLoader:
         return collate_sft(rows, self.pad_token_id, self.packed, self.processor, images)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        """Where the next batch comes from, and the row and batch counts a resume must find again."""
+        return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows),
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "num_rows" in state and state["num_rows"] != len(self.rows):
+            raise ValueError(f"the checkpoint's SFT data had {state['num_rows']} rows (conversations, or packed rows) "
+                             f"but this run's has {len(self.rows)}: the data files changed since, so resuming would "
+                             "not continue the same epoch; restore them, or start a new run (trainer.resume=never)")
+        if "batch_size" in state and state["batch_size"] != self.batch_size:
+            raise ValueError(f"the checkpoint's data loader had batch_size={state['batch_size']} but this run has "
+                             f"{self.batch_size}; restore data.batch_size, or start a new run (trainer.resume=never)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
