@@ -30,6 +30,7 @@ from reinforge.engine.memory_plan import (
     ModelShape,
     RunShape,
     Settings,
+    estimate,
     needed_kv_gib,
     plan_memory,
 )
@@ -207,21 +208,35 @@ def _plan(config: Config, gpu_bytes: float, host_bytes: float | None = None) -> 
     _check_kv_cache_holds_one_sequence(config, shape, run, given)
     forced = frozenset(name for name in given if _setting(config, SETTING_KEYS[name]) == AUTO)
     plan = plan_memory(shape, run, given, gpu_bytes, host_bytes, forced)
-    _check_utilization_holds_one_sequence(shape, run, plan)
+    _check_utilization_holds_one_sequence(shape, run, plan.phases["rollout"])
     return shape, run, plan
 
 
-def _check_utilization_holds_one_sequence(shape: ModelShape, run: RunShape, plan: MemoryPlan) -> None:
-    """The cache rollout.gpu_memory_utilization leaves (``RunShape.kv_cache_fraction``) must hold one sequence at full
-    length: the native engine fails in its first rollout otherwise."""
+def _check_given_cache(config: Config, gpu_bytes: float) -> None:
+    """With every memory setting given (nothing to plan), the native engine's KV cache still must hold one sequence
+    at full length, as ``_plan`` checks it: rollout.kv_cache_gib, or what rollout.gpu_memory_utilization leaves."""
+    shape, run = ModelShape.from_model_path(config.model.path), run_shape(config)
+    given = given_settings(config, shape.num_layers)
+    _check_kv_cache_holds_one_sequence(config, shape, run, given)
+    if run.kv_cache_fraction:
+        settings = Settings(**given)
+        if settings.param_offload:
+            settings.keep_gathered = False
+        _check_utilization_holds_one_sequence(shape, run, estimate(shape, run, settings, gpu_bytes)[0]["rollout"])
+
+
+def _check_utilization_holds_one_sequence(shape: ModelShape, run: RunShape, rollout: dict[str, float]) -> None:
+    """The cache rollout.gpu_memory_utilization leaves (``RunShape.kv_cache_fraction``) beside the rollout's other
+    consumers (``rollout``, the plan's rollout phase) must hold one sequence at full length: the native engine fails
+    in its first rollout otherwise."""
     from reinforge.engine.memory_plan import MemoryPlanError, rollout_concurrency
 
     if not run.kv_cache_fraction:
         return
-    left = plan.phases["rollout"]["kv cache"] / GiB
+    left = rollout["kv cache"] / GiB
     one = needed_kv_gib(shape, run, share=rollout_concurrency(run.sequences, run.num_devices))
     if left < one:
-        held = sum(plan.phases["rollout"].values()) - left * GiB
+        held = sum(rollout.values()) - left * GiB
         raise MemoryPlanError(
             f"rollout.gpu_memory_utilization={run.kv_cache_fraction:g} leaves {left:.2f} GiB for the KV cache beside "
             f"the rollout's other {held / GiB:.1f} GiB, less than one sequence of data.max_prompt_length + "
@@ -260,8 +275,13 @@ def has_auto_settings(config: Config) -> bool:
 
 def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
     """Replace every ``auto`` memory setting of ``config`` (in place) by the plan's; None when this process
-    cannot see the run's device (the workers plan then). Raises ``MemoryPlanError`` when nothing fits."""
-    gpu_bytes = device_memory_bytes(config) if has_auto_settings(config) else None
+    cannot see the run's device (the workers plan then). Raises ``MemoryPlanError`` when nothing fits, and, with
+    every setting given, where the native engine's KV cache cannot hold one sequence (``_check_given_cache``)."""
+    if not has_auto_settings(config):
+        if native_engine_runs(config) and (gpu_bytes := device_memory_bytes(config)) is not None:
+            _check_given_cache(config, gpu_bytes)
+        return None
+    gpu_bytes = device_memory_bytes(config)
     if gpu_bytes is None:
         return None
     shape, run, plan = _plan(config, gpu_bytes)

@@ -120,3 +120,31 @@ def test_default_adapters_are_counted_on_the_familys_own_projections(tmp_path, s
     assert lora_params(shape, 16, run.lora_targets) == adapters
     config.model.lora.target_modules = ["o_proj"]  # targets given: kept as given
     assert run_shape(config).lora_targets == ("o_proj",)
+
+
+def test_a_run_that_sets_every_memory_setting_still_refuses_a_cache_that_holds_no_sequence(config):
+    """Train planned nothing when no memory setting was auto, so a rollout.kv_cache_gib or gpu_memory_utilization
+    that leaves no room for one sequence passed (``reinforge plan`` refused it) and failed in the first rollout."""
+    from reinforge.workers.memory_settings import SETTING_KEYS, apply_memory_plan, config_values
+
+    planned = memory_plan(config)
+    for key, value in config_values(planned.settings, *_shapes(config)).items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
+    assert apply_memory_plan(config) is None  # nothing left to plan, and the cache holds the step
+    config.rollout.kv_cache_gib = 0.01
+    with pytest.raises(MemoryPlanError, match=r"^rollout.kv_cache_gib=0.01 cannot hold one sequence"):
+        apply_memory_plan(config)
+    config.rollout.kv_cache_gib, config.rollout.gpu_memory_utilization = 1.0, 0.05
+    with pytest.raises(MemoryPlanError, match=r"^rollout.gpu_memory_utilization=0.05 leaves 0.00 GiB"):
+        apply_memory_plan(config)
+    config.rollout.name = "hf"  # the hf backend reads neither
+    assert apply_memory_plan(config) is None and all(
+        getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) != "auto" for key in SETTING_KEYS.values())
+
+
+def _shapes(config):
+    from reinforge.engine.memory_plan import ModelShape
+    from reinforge.workers.memory_settings import run_shape
+
+    return ModelShape.from_model_path(config.model.path), run_shape(config)
