@@ -92,14 +92,16 @@ class ToolAgentLoop(AgentLoop):
                     start = time.perf_counter()
                     results = await self._run_calls(calls, tools_kwargs, instances, trajectory)
                     trajectory.metrics["tool_calls"] += time.perf_counter() - start
-                    increment, turn_images = self._tool_turn(results, [
-                        call_id(call, trajectory.user_turns, index) for index, call in enumerate(calls)])
+                    increment, turn_images, messages = self._tool_turn(results, [
+                        call_id(call, trajectory.user_turns, index) for index, call in enumerate(calls)],
+                        trajectory.tool_turns)
                     increment = closing + increment
                     if len(trajectory.response_ids) + len(increment) >= budget:
                         trajectory.metrics["tool_overflow"] = 1.0
                         state, trajectory.finish_reason = AgentState.TERMINATED, "tool_overflow"
                         continue
                     trajectory.append(increment, [0.0] * len(increment), sampled=False)
+                    trajectory.tool_turns.append(messages)
                     trajectory.images = merged_images(trajectory.images, turn_images)
                     trajectory.user_turns += 1
                     state = AgentState.GENERATING
@@ -132,19 +134,22 @@ class ToolAgentLoop(AgentLoop):
             token_ids = token_ids[:-1]
         return self.context.tokenizer.decode(token_ids)
 
-    def _tool_turn(self, results: list[ToolResult], call_ids: list[str]) -> tuple[list[int], dict | None]:
-        """The tool turn's token ids (after the end-of-turn token) and, when its results hold images, their pixels."""
+    def _tool_turn(self, results: list[ToolResult], call_ids: list[str],
+                   earlier: list[list[dict]]) -> tuple[list[int], dict | None, list[dict]]:
+        """The tool turn's token ids (after the end-of-turn token), when its results hold images their pixels, and
+        its tool messages. earlier: the tool messages of the trajectory's earlier tool turns."""
         images = [image for result in results for image in result.images]
         messages = [tool_message(result.text, result.images, identifier)
                     for result, identifier in zip(results, call_ids, strict=True)]
         if not images:
-            return self.renderer.increment(messages), None
+            return self.renderer.increment(messages, earlier), None, messages
         if self.context.processor is None:
             raise ValueError("a tool returned an image, but this model takes no images: it has no image processor "
                              "reinforge uses (a text model, or an image-text model reinforge trains on text alone, "
                              "such as Gemma 3 or Llava); return text from the tool, or train Qwen2-VL, Qwen2.5-VL or "
                              "Qwen3-VL")
-        return encode_with_images(self.context.processor, self.renderer.increment_text(messages), images)
+        return (*encode_with_images(self.context.processor, self.renderer.increment_text(messages, earlier), images),
+                messages)
 
     def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,
                           finish_reason: str) -> tuple[AgentState, str]:
@@ -307,6 +312,8 @@ class _Trajectory:
         self.assistant_turns = 0
         self.user_turns = 0
         self.tool_rewards: list[float] = []
+        self.tool_turns: list[list[dict]] = []
+        """The tool messages of each tool turn appended so far."""
         self.finish_reason = "stop"
         self.metrics: dict[str, float] = {"generate_sequences": 0.0, "tool_calls": 0.0, "num_tool_calls": 0.0,
                                           "tool_errors": 0.0, "tool_calls_cut": 0.0, "tool_response_truncated": 0.0,

@@ -7,7 +7,8 @@ text the chat template writes after an assistant turn's end-of-turn token when t
 
     render(base + tools, generation prompt), after the end-of-turn token that follows base's assistant content
 
-where ``base`` ends with an assistant message. The model stops at its end-of-turn token
+where ``base`` ends with an assistant message (after the trajectory's earlier turns: a template may write a later
+tool turn unlike the first). The model stops at its end-of-turn token
 (``<|im_end|>``, ``<|eot_id|>``); the increment starts with what the template writes after that token
 and before the next turn (``\\n`` for ChatML, nothing for Llama 3), which the model never
 generates: leaving it out (as verl did until v0.9, #6501) shifts every later turn by a token.
@@ -27,6 +28,7 @@ write an earlier assistant's content as it was is refused: ``increment`` raises.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from reinforge.data.chat_template import (
@@ -115,26 +117,36 @@ class ToolTurnRenderer:
         return apply_chat_template(self.tokenizer, messages, chat_template=self.chat_template, tokenize=False,
                                    add_generation_prompt=add_generation_prompt)
 
-    def increment_text(self, tool_messages: list[dict[str, Any]]) -> str:
+    def increment_text(self, tool_messages: list[dict[str, Any]],
+                       earlier: Sequence[Sequence[dict[str, Any]]] = ()) -> str:
         """The text that follows the model's end-of-turn token: separator, tool turn(s), next assistant header.
 
         It is the whole conversation's text after the assistant turn's end-of-turn token, so a template may render
         what comes before the assistant's content differently once more turns follow (Qwen3 leaves the empty
-        ``<think></think>`` out of an earlier turn): the model's tokens are kept as sampled either way."""
-        full = self._render(ASSISTANT_TURN + tool_messages, add_generation_prompt=True)
-        if full.count(ASSISTANT_MARKER) != 1:
+        ``<think></think>`` out of an earlier turn): the model's tokens are kept as sampled either way.
+
+        earlier: the tool messages of the trajectory's earlier tool turns, each of which followed an assistant turn
+        of its own. A template may write a later tool turn unlike the first (DeepSeek-V3's opens only a
+        conversation's first tool outputs with ``<｜tool▁outputs▁begin｜>``): the increment is what the whole
+        conversation's template writes at that place."""
+        messages = ASSISTANT_TURN[:1]
+        for turn in (*earlier, tool_messages):
+            messages = [*messages, ASSISTANT_TURN[1], *turn]
+        full = self._render(messages, add_generation_prompt=True)
+        if full.count(ASSISTANT_MARKER) != len(earlier) + 1:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
                              "it (its content is not written as it was), so a trajectory's tokens cannot stay as "
                              "sampled; use a template that keeps earlier turns' content as it is")
-        rest = full[full.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+        rest = full[full.rindex(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
         if not rest.startswith(self.eos_text):
             raise ValueError(f"the chat template closes an assistant turn that tool messages follow with "
                              f"{rest[:40]!r}, not with {self.eos_text!r} as it closes a last turn; tool turns cannot "
                              "be appended token for token")
         return rest[len(self.eos_text):]
 
-    def increment(self, tool_messages: list[dict[str, Any]]) -> list[int]:
-        return list(self.tokenizer(self.increment_text(tool_messages), add_special_tokens=False)["input_ids"])
+    def increment(self, tool_messages: list[dict[str, Any]],
+                  earlier: Sequence[Sequence[dict[str, Any]]] = ()) -> list[int]:
+        return list(self.tokenizer(self.increment_text(tool_messages, earlier), add_special_tokens=False)["input_ids"])
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

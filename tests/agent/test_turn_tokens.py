@@ -133,6 +133,28 @@ def test_scripted_trajectory_equals_the_template_of_the_whole_conversation(templ
                                                                   strict=True))
 
 
+def test_a_later_tool_turn_is_what_the_whole_conversations_template_writes_there(scripted_client):
+    """DeepSeek-V3's template opens only a conversation's first tool outputs with <｜tool▁outputs▁begin｜>; a later
+    tool turn starts with a newline there, and so must its increment."""
+    tokenizer = family_tokenizer("deepseek-v3")
+    tool = FunctionTool(calculator)
+    calls = [_hermes_chatml([_call("calculator", {"expression": "12*34"})]),
+             _hermes_chatml([_call("calculator", {"expression": "408+1"}), _call("calculator", {"expression": "7*2"})])]
+    conversation = [{"role": "user", "content": "What is 12*34+1, and 7*2?"},
+                    {"role": "assistant", "content": calls[0]}, {"role": "tool", "content": "408"},
+                    {"role": "assistant", "content": calls[1]}, {"role": "tool", "content": "409"},
+                    {"role": "tool", "content": "14"}, {"role": "assistant", "content": "409 and 14."}]
+    prompt_ids = tokenizer.apply_chat_template(conversation[:1], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+    client = scripted_client(tokenizer, [*calls, "409 and 14."])
+    context = AgentContext(tokenizer, client, MultiTurnConfig(max_parallel_calls=2), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    assert output.prompt_ids + output.response_ids == expected
+    assert output.metrics["num_tool_calls"] == 3 and output.metrics["tool_errors"] == 0
+
+
 def test_separator_is_the_text_after_the_end_of_turn_token(chatml_tokenizer):
     renderer = ToolTurnRenderer(chatml_tokenizer)
     assert renderer.increment_text([{"role": "tool", "content": "7"}]) == (
