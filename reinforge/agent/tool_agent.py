@@ -200,7 +200,10 @@ class ToolAgentLoop(AgentLoop):
             return ToolResult(f"Unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools))}.", 0.0,
                               {"tool_error": 1.0})
         kwargs = tools_kwargs.get(call.name) or {}
-        problem = tool.arguments_problem(call.arguments, kwargs.get("execute_kwargs") or {})
+        try:
+            problem = tool.arguments_problem(call.arguments, kwargs.get("execute_kwargs") or {})
+        except Exception as error:  # a bug in the tool's own check: a failed call, not a failed rollout
+            return _raised(call.name, error)
         if problem is not None:  # the model's mistake, not the tool's failure: it did not reach the tool
             return ToolResult(f"Invalid arguments for tool {call.name!r}: {problem}.", 0.0, {"tool_error": 1.0})
         timeout = self.context.config.tool_timeout_s

@@ -106,7 +106,7 @@ def _fits_json_type(value: Any, spec: dict[str, Any]) -> bool:
     ``nullable`` lets None through, as transformers' get_json_schema writes an Optional)."""
     types = spec.get("type")
     types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    known = [JSON_TYPES[name] for name in types if name in JSON_TYPES]
+    known = [JSON_TYPES[name] for name in types if isinstance(name, str) and name in JSON_TYPES]
     if not known or (value is None and spec.get("nullable")):
         return True
     return any(check(value) for check in known)

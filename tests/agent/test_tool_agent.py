@@ -409,6 +409,23 @@ def test_odd_tool_results_become_messages_or_metrics_and_never_stop_the_loop(cha
     assert output.metrics["tool/odd/hits"] == 4 and agent_metrics([output, output])["agent/tool/odd/hits"] == 8
 
 
+class ChecksBadly(BaseTool):
+    def arguments_problem(self, arguments, execute_kwargs):
+        return "needs " + arguments["missing"]  # a bug in the tool's own check
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        return ToolResult("ran")
+
+
+def test_a_tool_whose_argument_check_raises_fails_its_call_not_the_rollout(chatml_tokenizer, scripted_client):
+    schema = {"type": "function", "function": {"name": "checks", "description": "c",
+                                                "parameters": {"type": "object", "properties": {}}}}
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("checks"), "done"]),
+                 tools={"checks": ChecksBadly({}, schema)})
+    assert "Error running tool 'checks': KeyError: 'missing'" in tool_texts(chatml_tokenizer, output)
+    assert output.metrics["tool_raised"] == 1 and output.finish_reason == "stop"
+
+
 def test_a_huge_tool_output_is_cut_without_tokenizing_all_of_it(chatml_tokenizer, scripted_client):
     import time
 
