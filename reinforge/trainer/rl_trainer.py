@@ -381,8 +381,10 @@ class RLTrainer(TrainingRun):
     def validate(self) -> dict[str, float]:
         if self.val_loader is None:
             return {}
-        return run_validation(self.val_loader, self.config.rollout.val_kwargs.n, self.sampling(validation=True),
-                              self.config.trainer.seed + 7, self.actor_rollout.generate, self.reward.score)
+        # an off-policy mode's rollout copy may lag the trainer (trainer.trigger_sync_steps): validate what is saved
+        with self.mode.current_weights() if self.mode is not None and self.rollout is None else contextlib.nullcontext():
+            return run_validation(self.val_loader, self.config.rollout.val_kwargs.n, self.sampling(validation=True),
+                                  self.config.trainer.seed + 7, self.actor_rollout.generate, self.reward.score)
 
     # ---- the run ------------------------------------------------------------------------
     def checkpoint_extras(self) -> dict[str, Any]:
@@ -399,7 +401,8 @@ class RLTrainer(TrainingRun):
                             score=self.score, compute_log_prob=self.actor_rollout.compute_log_prob,
                             train_on_batch=self.train_on_batch, sync_rollout_weights=self.sync_rollout_weights,
                             trained_steps=lambda: self.step, sampling=self.sampling(), pad_token_id=self.pad_token_id,
-                            run_dir=self.run_dir)
+                            run_dir=self.run_dir, rollout_copy_weights=generator.rollout_copy_weights,
+                            load_rollout_weights=generator.load_rollout_weights)
 
     def sync_rollout_weights(self) -> None:
         """Off-policy modes: the rollout generates with the current weights from now on (a new version)."""
@@ -420,6 +423,8 @@ class RLTrainer(TrainingRun):
         self.actor_rollout.save_checkpoint(str(folder))
         if self.critic is not None:
             self.critic.save_checkpoint(str(folder))
+        if self.mode is not None:
+            self.mode.write_checkpoint(folder)
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         self.actor_rollout.load_checkpoint(str(folder))
@@ -430,6 +435,7 @@ class RLTrainer(TrainingRun):
         if self.mode is not None:
             self.sync_rollout_weights()  # the rollout starts from the restored weights
             self.mode.load_state_dict(state["mode"], state["step"])
+            self.mode.read_checkpoint(folder)  # or from its version's, saved between two syncs
 
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps`` (resuming by ``trainer.resume``); returns the last step's metrics."""

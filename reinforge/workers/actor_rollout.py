@@ -155,6 +155,15 @@ class ActorRolloutWorker(Worker):
                                    self._lora_scale())
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def rollout_copy_weights(self) -> dict[str, torch.Tensor] | None:
+        """Off-policy modes: the rollout copy's own weights (the last synced version, not the trainer's current ones),
+        on the CPU, from rank 0 (None elsewhere); ``load_rollout_weights`` puts them back."""
+        model = self.rollout_side.rollout_model
+        if model is None or self.rank != 0:
+            return None
+        return {name: parameter.detach().to("cpu", copy=True) for name, parameter in model.named_parameters()}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """The separate rollout worker takes a new policy version (from the actor's ``rollout_weights``)."""
         self.rollout_side.load_weights(weights)

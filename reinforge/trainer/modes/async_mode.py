@@ -14,7 +14,11 @@ Each step logs the rollouter's work since the step before: its generating time a
 (``counters.combine_spans``: counts add up, peaks take the largest).
 
 Checkpoints hold every admitted group not yet trained on, with its tokens, log-probs and
-versions, so a resumed run loses none and repeats none. Which groups each step trained on is
+versions, so a resumed run loses none and repeats none. A checkpoint written between two syncs
+(trainer.trigger_sync_steps > 1) also holds the rollout's weights, those of its version
+(``ROLLOUT_WEIGHTS_FILE``): the resumed rollout samples with them, not with the trainer's newer ones.
+Validation between two syncs samples with the trainer's current weights (``current_weights``), as
+the checkpoint saved with it holds them; the rollout's version comes back after it. Which groups each step trained on is
 written to ``async_groups.jsonl`` in the run folder, a line per step written as ``metrics.jsonl``'s are (synced,
 cut back to the checkpoint's step on resume, atomically, a half-written line dropped).
 
@@ -30,7 +34,10 @@ import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from reinforge.config.schema import Config
 from reinforge.protocol import Batch
@@ -46,6 +53,8 @@ from reinforge.trainer.seeds import step_seed
 from reinforge.workers.rollout_side import seed_for
 
 GROUPS_FILE = "async_groups.jsonl"
+ROLLOUT_WEIGHTS_FILE = "rollout_weights.pt"
+"""In a checkpoint written between two syncs: the rollout's weights, those of its version."""
 
 
 class AsyncMode:
@@ -138,6 +147,38 @@ class AsyncMode:
         self._record(positions, batch)
         return metrics
 
+    def rollout_lags(self) -> bool:
+        """Whether the trainer updated the weights since the last sync: the rollout samples with older ones."""
+        return self.updates % self.config.trainer.trigger_sync_steps != 0
+
+    @contextmanager
+    def current_weights(self) -> Iterator[None]:
+        """The rollout generates with the trainer's current weights while this holds (validation); then with those
+        of its version again. The rollouter waits meanwhile, so none of its samples sees them."""
+        calls = self.calls
+        if not self.rollout_lags() or calls.rollout_copy_weights is None or calls.load_rollout_weights is None:
+            yield
+            return
+        with self.turns.trainer():
+            saved = _first(calls.rollout_copy_weights())
+            calls.sync_rollout_weights()
+            try:
+                yield
+            finally:
+                calls.load_rollout_weights(saved)
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """Between two syncs: the rollout's weights (its version's) into ``folder``, for ``read_checkpoint``."""
+        if self.rollout_lags() and self.calls.rollout_copy_weights is not None:
+            torch.save(_first(self.calls.rollout_copy_weights()), folder / ROLLOUT_WEIGHTS_FILE)
+
+    def read_checkpoint(self, folder: Path) -> None:
+        """The rollout takes back the weights of its version, where the checkpoint holds them (the trainer has
+        synced the restored weights into it before)."""
+        path = folder / ROLLOUT_WEIGHTS_FILE
+        if path.is_file() and self.calls.load_rollout_weights is not None:
+            self.calls.load_rollout_weights(torch.load(path, weights_only=True))
+
     def _record(self, positions: list[int], batch: Batch) -> None:
         uids = list(dict.fromkeys(str(uid) for uid in batch["uid"]))
         with open(self.calls.run_dir / GROUPS_FILE, "a", encoding="utf-8") as file:
@@ -149,6 +190,11 @@ class AsyncMode:
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.updates = state["updates"]
         self.rollouter.load_state_dict(state["rollouter"])
+
+
+def _first(weights: Any) -> Any:
+    """A group call's result on rank 0 (a list per rank on the local and Ray backends)."""
+    return weights[0] if isinstance(weights, list) else weights
 
 
 def hold_ahead(config: Config) -> int | None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,17 @@ class OneStepOffMode:
         self.version += 1
         metrics["async/version"] = float(self.version)
         return metrics
+
+    @contextmanager
+    def current_weights(self) -> Iterator[None]:
+        """The rollout has the trainer's current weights after every step (a sync follows each update)."""
+        yield
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """Nothing beyond ``state_dict``: the rollout's weights are the trainer's (synced after every update)."""
+
+    def read_checkpoint(self, folder: Path) -> None:
+        """Nothing beyond ``load_state_dict`` (see ``write_checkpoint``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The version, the batches drawn and the batch generated ahead, with its samples (the generation ran

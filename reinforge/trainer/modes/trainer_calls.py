@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reinforge.controller.worker_group import GroupFuture
 from reinforge.protocol import Batch
@@ -37,3 +38,8 @@ class TrainerCalls:
     """The training rollout's sampling parameters."""
     pad_token_id: int
     run_dir: Path
+    rollout_copy_weights: Callable[[], Any] | None = None
+    """The generating group's own copy of the weights (the last synced version), on the CPU: a dict, or a list
+    per rank whose first item is it; None where the rollout has no copy of its own."""
+    load_rollout_weights: Callable[[Any], None] | None = None
+    """Put weights from ``rollout_copy_weights`` back into the generating group's copy."""

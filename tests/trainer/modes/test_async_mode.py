@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -278,3 +279,59 @@ def test_a_killed_deterministic_async_run_resumes_to_the_uninterrupted_runs_metr
 def final_actor_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     folder = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     return torch.load(folder / "actor_state.pt", weights_only=True)["model"]
+
+
+class WeightsFake(FakeTrainer):
+    """The rollout copy's weights are the number of updates the trainer had made at the sync that set them."""
+
+    def __init__(self, run_dir: Path, jitter_seed: int):
+        super().__init__(run_dir, jitter_seed)
+        self.updated = 0
+
+    def train_on_batch(self, batch: Batch, timing: dict, metrics: dict, step_start: float) -> dict[str, float]:
+        self.updated += 1
+        return super().train_on_batch(batch, timing, metrics, step_start)
+
+    def sync_rollout_weights(self) -> None:
+        self.rollout_weights = self.updated
+
+    def calls(self) -> TrainerCalls:
+        return replace(super().calls(), rollout_copy_weights=lambda: [{"w": torch.tensor(self.rollout_weights)}],
+                       load_rollout_weights=lambda weights: setattr(self, "rollout_weights", int(weights["w"])))
+
+
+def test_between_two_syncs_validation_sees_the_current_weights_and_a_resumed_rollout_its_versions(tmp_path):
+    """trainer.trigger_sync_steps=2, three updates: the rollout samples with the weights of update 2. Validation
+    (``current_weights``) samples with those of update 3, then the rollout has update 2's again; a checkpoint holds
+    update 2's, which the resumed rollout takes back after the trainer synced the restored (update 3's) into it."""
+    config = Config()
+    config.data.train_batch_size, config.data.max_response_length, config.rollout.n = 2, 8, 2
+    config.rollout.segment_tokens = 2
+    config.trainer.mode, config.trainer.proximal, config.trainer.trigger_sync_steps = "async", "loglinear", 2
+    config.trainer.async_deterministic = True
+    (tmp_path / "run").mkdir()
+    fake = WeightsFake(tmp_path / "run", 0)
+    mode = AsyncMode(config, fake.calls())
+    mode.start()
+    try:
+        for _ in range(3):
+            mode.train(mode.next_batch())
+            fake.steps += 1
+        with mode.current_weights():
+            assert fake.rollout_weights == 3
+        assert fake.rollout_weights == 2
+        folder = tmp_path / "checkpoint"
+        folder.mkdir()
+        with mode.paused():
+            state = mode.state_dict()
+            mode.write_checkpoint(folder)
+    finally:
+        mode.stop()
+
+    resumed = WeightsFake(tmp_path / "run", 0)
+    resumed.updated = 3
+    resumed.sync_rollout_weights()  # RLTrainer.load_checkpoint_state: the restored weights first
+    again = AsyncMode(config, resumed.calls())
+    again.load_state_dict(state, 3)
+    again.read_checkpoint(folder)
+    assert resumed.rollout_weights == 2
