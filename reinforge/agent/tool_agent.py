@@ -185,7 +185,7 @@ class ToolAgentLoop(AgentLoop):
                     metrics[f"tool/{call.name}/{key}"] = metrics.get(f"tool/{call.name}/{key}", 0.0) + value
             if result.reward is not None:
                 trajectory.tool_rewards.append(float(result.reward))
-            text, was_cut = self._truncate(result.text)
+            text, was_cut = self._truncate(valid_text(result.text))
             metrics["tool_response_truncated"] += was_cut
             truncated.append(result._replace(text=text))
         return truncated
@@ -289,6 +289,15 @@ def _release_when_created(tool: BaseTool, name: str, created: asyncio.Future) ->
             logger.warning("tool %r: release failed: %s: %s", name, type(task.exception()).__name__, task.exception())
 
     task.add_done_callback(done)
+
+
+def valid_text(text: str) -> str:
+    """``text`` with each lone surrogate (a tool's ``surrogateescape`` output, a ``\\ud800`` the model wrote in its
+    call's JSON and an error message repeats) as U+FFFD, which a tokenizer can encode (it refuses the text otherwise,
+    and the rollout would stop); a split surrogate pair becomes its character."""
+    if text.isascii():
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _raised(name: str, error: BaseException) -> ToolResult:

@@ -426,6 +426,15 @@ def test_a_tool_whose_argument_check_raises_fails_its_call_not_the_rollout(chatm
     assert output.metrics["tool_raised"] == 1 and output.finish_reason == "stop"
 
 
+def test_lone_surrogates_in_a_tool_output_are_shown_as_replacement_characters(chatml_tokenizer, scripted_client):
+    # a tool's surrogateescape'd bytes, or an escape the model wrote in its call's JSON that the tool echoes: the
+    # tokenizer refused the text and the whole rollout stopped
+    turns = ['<tool_call>{"name": "echo", "arguments": {"text": "a\\udcff b \\ud83d\\ude00"}}</tool_call>', "done"]
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, turns))
+    assert "<tool_response>\na\ufffd b \U0001f600\n</tool_response>" in tool_texts(chatml_tokenizer, output)
+    assert output.finish_reason == "stop" and output.metrics["tool_errors"] == 0
+
+
 def test_a_huge_tool_output_is_cut_without_tokenizing_all_of_it(chatml_tokenizer, scripted_client):
     import time
 
