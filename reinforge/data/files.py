@@ -35,7 +35,8 @@ def expand_data_files(files: Iterable[str | Path], key: str) -> list[str | Path]
 
 
 def read_rows(path: str | Path) -> list[Row]:
-    """All rows of one parquet file, JSONL file, JSON file holding a list, or ``save_to_disk`` folder."""
+    """All rows of one parquet file, JSONL file, JSON file holding a list (or one object per line, as
+    ``datasets``' ``to_json`` writes it), or ``save_to_disk`` folder."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist (looked in {path.resolve()}); "
@@ -131,8 +132,10 @@ def _read_json(path: Path) -> list[Row]:
     try:
         content = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as error:
+        if error.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _read_jsonl(path)  # one object per line, as datasets' to_json writes a .json file
         raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
-                         "it must hold a JSON list of row objects") from None
+                         "it must hold a JSON list of row objects, or one row object per line") from None
     except _RepeatedKey as error:
         raise ValueError(f"{path} gives the key {error.args[0]!r} twice in one object; keep one of them") from None
     if not isinstance(content, list) or not all(isinstance(row, dict) for row in content):

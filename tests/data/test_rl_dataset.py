@@ -307,6 +307,12 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_and_an_empty_string_prompt_is
     listed = tmp_path / "bom.json"  # a JSON list, as Windows' editors save it
     listed.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
     assert read_rows(listed) == ROWS
+    lines = tmp_path / "lines.json"  # one object per line, as datasets' to_json writes a .json file
+    lines.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    assert read_rows(lines) == ROWS
+    lines.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(ROWS[1])[:-3] + "\n")
+    with pytest.raises(ValueError, match=rf"^line 2 of {lines} is not valid JSON"):
+        read_rows(lines)
     path = write_jsonl(tmp_path / "blank.jsonl", [ROWS[0], {**ROWS[1], "prompt": "  "}])
     with pytest.raises(ValueError, match=rf"^row 1 of {path} has an empty 'prompt' string; "):
         RLDataset(path, tiny_tokenizer, config())
