@@ -45,6 +45,18 @@ class ToolParser(Protocol):
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}
 
 
+JSON_ERRORS = (json.JSONDecodeError, RecursionError)
+"""What decoding a sampled call may raise: bad JSON, or JSON nested deeper than Python's recursion limit (a model
+that repeats ``[`` or ``{``), which would otherwise stop the rollout."""
+
+
+def json_problem(error: Exception, at: bool = True) -> str:
+    """Why a call's JSON does not read, for the model."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} (at character {error.pos})" if at else error.msg
+    return "it is nested too deeply"
+
+
 REASONING_END = "</think>"
 
 
@@ -96,8 +108,8 @@ class HermesToolParser:
     def _read(body: str) -> ToolCall:
         try:
             call = json.loads(body)
-        except json.JSONDecodeError as error:
-            return ToolCall("", error=f"Invalid JSON in tool call: {error.msg} (at character {error.pos}); "
+        except JSON_ERRORS as error:
+            return ToolCall("", error=f"Invalid JSON in tool call: {json_problem(error)}; "
                                       'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
         return _call_of(call, ("arguments",), '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
 
@@ -111,8 +123,9 @@ def _call_of(call: Any, argument_keys: tuple[str, ...], shape: str) -> ToolCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as error:
-            return ToolCall(call["name"], error=f"Invalid JSON in arguments for {call['name']!r}: {error.msg}")
+        except JSON_ERRORS as error:
+            return ToolCall(call["name"], error=f"Invalid JSON in arguments for {call['name']!r}: "
+                                                f"{json_problem(error, at=False)}")
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], error=f"The arguments of {call['name']!r} must be a JSON object, "
                                             f"not {type(arguments).__name__}")
@@ -130,8 +143,8 @@ def _json_values(text: str, separator: str) -> tuple[list[Any], str | None]:
             return values, None
         try:
             value, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError as error:
-            return values, f"{error.msg} (at character {error.pos})"
+        except JSON_ERRORS as error:
+            return values, json_problem(error)
         values.append(value)
 
 
@@ -216,9 +229,9 @@ class DeepSeekV3ToolParser:
             arguments = arguments.strip().removeprefix("```json").removesuffix("```").strip()
             try:
                 value = json.loads(arguments) if arguments else {}
-            except json.JSONDecodeError as error:
+            except JSON_ERRORS as error:
                 calls.append(ToolCall(name.strip(), error=f"Invalid JSON in arguments for {name.strip()!r}: "
-                                                          f"{error.msg}; write {self.shape}"))
+                                                          f"{json_problem(error, at=False)}; write {self.shape}"))
                 continue
             calls.append(_call_of({"name": name.strip(), "arguments": value}, ("arguments",), self.shape)
                          if name.strip() else ToolCall("", error=f'A tool call needs a name: {self.shape}'))

@@ -85,6 +85,19 @@ def test_each_format_reads_its_calls_and_explains_malformed_ones(format, text, e
         assert call.error is None if error is None else error in call.error
 
 
+@pytest.mark.parametrize("format, text", [
+    ("hermes", "<tool_call>" + "[" * 5000 + "</tool_call>"),
+    ("hermes", '<tool_call>{"name": "a", "arguments": "' + "[" * 5000 + '"}</tool_call>'),
+    ("llama3_json", '{"name": "a", "parameters": ' + "[" * 5000),
+    ("mistral", "[TOOL_CALLS]" + "[" * 5000),
+    ("deepseek_v3", DEEPSEEK_CALLS.replace('{"x": 1}', "[" * 5000)),
+])
+def test_json_nested_past_the_recursion_limit_is_a_malformed_call(format, text):
+    # a model repeating "[" sampled a RecursionError, which stopped the rollout
+    calls = get_tool_parser(format).parse(text)
+    assert any(call.error is not None and "nested too deeply" in call.error for call in calls)
+
+
 def test_unknown_format_lists_the_known_ones():
     with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: deepseek_v3, hermes, "
                                          "llama3_json, mistral"):
