@@ -310,10 +310,11 @@ class ModelShape:
                                   "(is model.path the right model?)")
 
     @classmethod
-    def from_model_path(cls, path: str) -> ModelShape:
+    def from_model_path(cls, path: str, key: str = "model.path") -> ModelShape:
+        """The sizes of the model folder or hub id ``path``; ``key`` (the setting that gave it) names it in a refusal."""
         file = Path(path).expanduser() / "config.json"
         if not file.is_file():
-            file = _hub_config(path, file)
+            file = _hub_config(path, file, key)
         try:
             config = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -321,7 +322,7 @@ class ModelShape:
                                   "config.json, so repair or replace that file") from None
         if not isinstance(config, dict):
             raise MemoryPlanError(f"{file} holds a JSON {type(config).__name__}, not an object of model sizes; "
-                                  "model.path must be a Hugging Face model folder") from None
+                                  f"{key} must be a Hugging Face model folder") from None
         return cls.from_hf_config(config, str(file))
 
     def _attention_shapes(self) -> list[tuple[int, int]]:
@@ -787,6 +788,12 @@ class RunShape:
     """The CPU's eager layers, which keep more activations than CUDA's compiled ones."""
     reference: bool = False
     critic: bool = False
+    critic_model: ModelShape | None = None
+    """The critic's own model (critic.model_path) where it is not the policy's; its backbone and value head train in
+    float32 with AdamW, 16 bytes a parameter."""
+    critic_offload: str = ""
+    """Where the critic keeps its state off the device: "" (nowhere), "optimizer" (critic.optimizer_offload: the
+    moments and a float32 master copy) or "param" (critic.param_offload: parameters, gradients and moments)."""
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LORA_PROJECTIONS
     """The projections of each decoder layer that carry an adapter."""
@@ -867,11 +874,11 @@ SETTING_KEYS = {
 }
 
 
-def _hub_config(path: str, local: Path) -> Path:
+def _hub_config(path: str, local: Path, key: str = "model.path") -> Path:
     """config.json of a hub id (``org/name``) through huggingface_hub's cache, as transformers would load the model;
     a path that is no local folder and no reachable hub id gets one line."""
     if Path(path).expanduser().is_file():  # model.path=/models/x/config.json: the folder was meant
-        raise MemoryPlanError(f"model.path={path} is a file; point model.path at the folder that holds config.json "
+        raise MemoryPlanError(f"{key}={path} is a file; point {key} at the folder that holds config.json "
                               f"({Path(path).expanduser().parent} for this one)")
     fetched, why = None, "no local folder of that name"
     if not Path(path).expanduser().exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
@@ -883,7 +890,7 @@ def _hub_config(path: str, local: Path) -> Path:
             why = f"no local folder, and the hub did not give its config.json: {type(error).__name__}"
     if fetched is None:
         raise MemoryPlanError(f"{local} does not exist ({why}); the memory planner reads the model's config.json, so "
-                              "model.path must be a model folder or a reachable hub id")
+                              f"{key} must be a model folder or a reachable hub id")
     return fetched
 
 
@@ -1083,8 +1090,12 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings,
     if shape.wrapper_params:  # frozen, in the masters' dtype (the base dtype under LoRA), sharded like them
         (host if settings.param_offload else resident)["wrapper's unused weights"] = (
             (dtype_bytes if run.lora_rank else 4) * shape.wrapper_params / devices)
-    if run.critic:
-        resident["critic"] = 16 * params / devices
+    if run.critic:  # its backbone and one-output value head (no vocabulary head), float32 with AdamW's moments
+        critic, offload = reward_model_params(run.critic_model or shape) / devices, "" if run.eager else run.critic_offload
+        if offload != "param":  # its parameters and gradients, and the moments unless they are on the host
+            resident["critic"] = (8 if offload else 16) * critic
+        if offload:  # the moments and a float32 master copy; offloaded parameters, their gradients too
+            host["critic"] = (16 if offload == "param" else 12) * critic
     if run.off_policy:
         resident["off-policy rollout model"] = dtype_bytes * params
     if run.reward_model is not None:
@@ -1382,6 +1393,8 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                     dataclasses.replace(run, prompts=max(run.prompts // 2, 1))),
                    (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
                     dataclasses.replace(run, num_devices=run.num_devices * 2))]
+        if run.critic and not run.critic_offload:  # the critic's state is no planned setting: the user's to move
+            options.insert(0, ("critic.optimizer_offload=true", dataclasses.replace(run, critic_offload="optimizer")))
         # half the KV bytes (docs/long_responses.md), where the native engine keeps the cache
         if run.kv_cache_dtype == "auto" and run.native_engine and not shape.kv_lora_rank:
             options.insert(1, ("rollout.kv_cache_dtype=fp8", dataclasses.replace(run, kv_cache_dtype="fp8")))

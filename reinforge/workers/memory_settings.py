@@ -78,7 +78,7 @@ def run_shape(config: Config) -> RunShape:
                     num_mini_batches=max(config.data.train_batch_size // mini_batch, 1),
                     num_devices=config.trainer.nnodes * config.trainer.devices_per_node, dtype_bytes=dtype_bytes,
                     eager=not on_gpu,
-                    reference=reference_needed(config), critic=critic_enabled(config),
+                    reference=reference_needed(config), critic=critic_enabled(config), **_critic_shape(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora, _model_type(config.model.path)),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
                     # another engine (hf, the native one's fallback, a package's) keeps it in the model dtype
@@ -124,9 +124,22 @@ def _reward_model_shape(config: Config) -> dict[str, Any]:
     settings = config.reward.reward_model
     if not settings.enable or not settings.model_path or settings.enable_resource_pool:
         return {}
-    return {"reward_model": ModelShape.from_model_path(settings.model_path),
+    return {"reward_model": ModelShape.from_model_path(settings.model_path, "reward.reward_model.model_path"),
             "reward_model_offload": bool(settings.offload),
             "reward_model_tokens": int(settings.max_tokens_per_micro_batch or 0)}
+
+
+def _critic_shape(config: Config) -> dict[str, Any]:
+    """RunShape's critic fields: its own model's sizes (critic.model_path, where it is another model than the
+    policy's) and where it keeps its state (critic.param_offload, critic.optimizer_offload)."""
+    from reinforge.algorithms.roles import critic_enabled
+
+    critic = config.critic
+    if not critic_enabled(config):
+        return {}
+    own = critic.model_path and critic.model_path != config.model.path
+    return {"critic_model": ModelShape.from_model_path(critic.model_path, "critic.model_path") if own else None,
+            "critic_offload": "param" if critic.param_offload else "optimizer" if critic.optimizer_offload else ""}
 
 
 def _judge_shape(config: Config) -> dict[str, Any]:
@@ -134,7 +147,7 @@ def _judge_shape(config: Config) -> dict[str, Any]:
     judge = config.reward.judge
     if not judge.enable or not judge.model_path or judge.model_path == "policy":
         return {}
-    return {"judge": ModelShape.from_model_path(judge.model_path)}
+    return {"judge": ModelShape.from_model_path(judge.model_path, "reward.judge.model_path")}
 
 
 def _adapted_projections(lora: Any, model_type: str | None = None) -> tuple[str, ...]:

@@ -148,3 +148,29 @@ def _shapes(config):
     from reinforge.workers.memory_settings import run_shape
 
     return ModelShape.from_model_path(config.model.path), run_shape(config)
+
+
+def test_a_critic_of_its_own_model_is_counted_by_its_sizes_and_a_missing_one_names_its_key(config, tmp_path):
+    """A critic at critic.model_path was counted as a copy of the policy (a 7B critic beside a 1.5B policy planned
+    as 1.5B's 16 bytes a parameter, and a missing folder passed); critic.optimizer_offload moved nothing."""
+    from reinforge.engine.memory_plan import ModelShape, reward_model_params
+
+    big = tmp_path / "critic"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({**QWEN25_1_5B, "hidden_size": 3584, "num_attention_heads": 28,
+                                                 "num_key_value_heads": 4, "intermediate_size": 18944}))
+    config.algorithm.adv_estimator = "gae"
+    own = memory_plan(config).phases["update"]["critic"]
+    assert own == 16 * reward_model_params(ModelShape.from_model_path(config.model.path))
+    config.critic.model_path = str(big)
+    critic = reward_model_params(ModelShape.from_model_path(str(big)))
+    assert memory_plan(config).phases["update"]["critic"] == 16 * critic > 4 * own
+    config.critic.optimizer_offload = True
+    plan = memory_plan(config)
+    assert plan.phases["update"]["critic"] == 8 * critic and plan.host["critic"] == 12 * critic
+    config.critic.optimizer_offload, config.trainer.gpu_memory_gib = False, 80.0
+    with pytest.raises(MemoryPlanError, match=r"critic \d+\.\d GiB.*it would fit with critic.optimizer_offload=true"):
+        memory_plan(config)
+    config.critic.model_path = str(tmp_path / "missing")
+    with pytest.raises(MemoryPlanError, match=r"so critic.model_path must be a model folder"):
+        memory_plan(config)
