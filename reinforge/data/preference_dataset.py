@@ -372,8 +372,17 @@ class PairLoader:
                 for start in range(0, len(self.pairs), self.batch_size)]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        """Where the next batch comes from, and the pair and batch counts a resume must find again."""
+        return {"epoch": self.epoch, "position": self.position, "num_pairs": len(self.pairs),
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "num_pairs" in state and state["num_pairs"] != len(self.pairs):
+            raise ValueError(f"the checkpoint's data had {state['num_pairs']} pairs but this run's has "
+                             f"{len(self.pairs)}: the data files changed since, so resuming would not continue the "
+                             "same epoch; restore them, or start a new run (trainer.resume=never)")
+        if "batch_size" in state and state["batch_size"] != self.batch_size:
+            raise ValueError(f"the checkpoint's data loader had batch_size={state['batch_size']} but this run has "
+                             f"{self.batch_size}; restore data.batch_size, or start a new run (trainer.resume=never)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._peeked = None

@@ -190,3 +190,6 @@ def test_a_peeked_batch_is_the_next_one_and_the_loader_does_not_advance():
     loader.peek_batch()
     loader.load_state_dict({"epoch": 0, "position": 0})  # a resumed loader never returns what was peeked before
     assert torch.equal(loader.next_batch()["pair_index"], PairLoader(pairs, 2, 0, seed=3).next_batch()["pair_index"])
+    # pairs the data files no longer give (changed in place since the checkpoint) are refused, not resumed into
+    with pytest.raises(ValueError, match=r"^the checkpoint's data had 5 pairs but this run's has 4: the data files "):
+        PairLoader(pairs[:4], 2, 0, seed=3).load_state_dict(loader.state_dict())
