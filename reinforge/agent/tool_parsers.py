@@ -208,8 +208,9 @@ class MistralToolParser:
 @register_tool_parser("deepseek_v3")
 class DeepSeekV3ToolParser:
     """DeepSeek-V3's calls: ``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``,
-    a newline and the arguments in a json code block, ``<｜tool▁call▁end｜>``; then ``<｜tool▁calls▁end｜>``. A call
-    begun and not ended (cut), or whose arguments are not a JSON object, is a malformed call."""
+    a newline and the arguments in a json code block, ``<｜tool▁call▁end｜>``; then ``<｜tool▁calls▁end｜>``. DeepSeek-V3.1's
+    and later models' ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`` (the arguments as plain JSON) is
+    read too. A call begun and not ended (cut), or whose arguments are not a JSON object, is a malformed call."""
 
     opening = "<｜tool▁calls▁begin｜>"
     call_begin, call_end, separator = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -224,9 +225,15 @@ class DeepSeekV3ToolParser:
                 calls.append(ToolCall("", error=f"A tool call was not closed with {self.call_end}, so it was not run; "
                                                 f"write {self.shape}"))
                 continue
-            _, _, named = body.partition(self.separator)
-            name, _, arguments = named.partition("\n")
-            arguments = arguments.strip().removeprefix("```json").removesuffix("```").strip()
+            kind, separated, named = body.partition(self.separator)
+            if not separated:
+                calls.append(ToolCall("", error=f"A tool call needs {self.separator} before its name: {self.shape}"))
+                continue
+            if kind.strip() not in ("", "function"):  # DeepSeek-V3.1 and later: NAME<｜tool▁sep｜>{...}
+                name, arguments = kind, named
+            else:
+                name, _, arguments = named.partition("\n")
+            arguments = arguments.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
             try:
                 value = json.loads(arguments) if arguments else {}
             except JSON_ERRORS as error:

@@ -74,6 +74,9 @@ DEEPSEEK_END = "<｜tool▁calls▁end｜>"
     ("mistral", "[TOOL_CALLS]a[ARGS]{bad", [("a", {}, "Invalid JSON in arguments for 'a'")]),
     ("mistral", '[TOOL_CALLS] [{"arguments": {}}]', [("", {}, 'needs a "name"')]),
     ("deepseek_v3", DEEPSEEK_CALLS + DEEPSEEK_END, [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{\"x\": 1}<｜tool▁call▁end｜><｜tool▁call▁begin｜>"
+                    "b<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>", [("a", {"x": 1}, None), ("b", {}, None)]),  # V3.1
+    ("deepseek_v3", "<｜tool▁call▁begin｜>a<｜tool▁call▁end｜>", [("", {}, "needs <｜tool▁sep｜> before its name")]),
     ("deepseek_v3", DEEPSEEK_CALLS[:-30], [("a", {"x": 1}, None), ("", {}, "was not closed")]),  # cut
     ("deepseek_v3", DEEPSEEK_CALLS.replace('{"x": 1}', '{"x": '), [("a", {}, "Invalid JSON in arguments for 'a'"),
                                                                     ("b", {}, None)]),
