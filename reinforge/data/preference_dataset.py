@@ -136,6 +136,8 @@ def check_preference_rows(files: Sequence[str | Path], keys: PreferenceKeys, spl
                          "pairs")
     num_rows = 0
     for path in expand_data_files(files, f"data.{split}_files"):
+        if max_samples is not None and num_rows == max_samples:
+            break  # the later files are not read
         for row_number, row in enumerate(read_rows(path)):
             if max_samples is not None and num_rows == max_samples:
                 return num_rows
@@ -244,6 +246,8 @@ class PreferenceDataset:
         self.num_dropped = 0
         num_rows = 0
         for path in expand_data_files(files, f"data.{name}_files"):
+            if max_samples is not None and num_rows == max_samples:
+                break  # the later files are not read (nor checked)
             for row_number, row in enumerate(read_rows(path)):
                 if max_samples is not None and num_rows == max_samples:
                     break

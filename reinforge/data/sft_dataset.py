@@ -336,6 +336,8 @@ class SFTDataset:
         if processor is not None:  # a VLM's processor may keep the template that renders image parts
             chat_template = chat_template or getattr(processor, "chat_template", None)
         for path in files:
+            if max_samples is not None and len(self.examples) == max_samples:
+                break  # the later files are not read, as the RL prompts' are not
             for row_number, row in enumerate(read_rows(path)):
                 if max_samples is not None and len(self.examples) == max_samples:
                     break

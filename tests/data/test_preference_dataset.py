@@ -159,6 +159,9 @@ def test_dataset_drops_pairs_over_max_length_or_refuses_them(tmp_path, tokenizer
     assert len(dataset) == 1 and dataset.num_dropped == 1
     with pytest.raises(ValueError, match=f"row 1 of {path} has 63 tokens .* more than data.max_length=16"):
         PreferenceDataset([path], tokenizer, max_length=16, truncation="error")
+    later = tmp_path / "later.jsonl"
+    later.write_text("{not json\n")  # a shard a run of max_samples rows does not need
+    assert len(PreferenceDataset([path, later], tokenizer, max_length=64, max_samples=2)) == 2
 
 
 def test_a_pair_is_two_rows_with_one_prompt(tokenizer):

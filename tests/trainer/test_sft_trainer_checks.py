@@ -173,3 +173,11 @@ def test_resume_refuses_data_files_whose_rows_changed_since_the_checkpoint(tmp_p
     with pytest.raises(ValueError, match=r"^the checkpoint's SFT data had 8 rows .* but this run's has 9: the data "
                                          r"files changed since"):
         SFTTrainer(config).fit()
+
+
+def test_max_samples_reached_in_the_first_file_leaves_the_later_ones_unread(tmp_path, tokenizer):
+    first, later = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")
+    later.write_text("{not json\n")  # a shard the run does not need
+    dataset = SFTDataset([first, later], tokenizer, max_length=64, chat_template=PRINTING_TEMPLATE, max_samples=2)
+    assert len(dataset) == 2
