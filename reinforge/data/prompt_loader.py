@@ -75,14 +75,16 @@ class PromptLoader:
     """
 
     def __init__(self, dataset: RLDataset, batch_size: int, pad_token_id: int, *, shuffle: bool = True,
-                 seed: int = 1, drop_last: bool = True, repeat: bool = True) -> None:
+                 seed: int = 1, drop_last: bool = True, repeat: bool = True,
+                 size_key: str = "data.train_batch_size") -> None:
+        """``size_key``: the setting ``batch_size`` came from, named when it is refused."""
         if pad_token_id is None:
             raise ValueError("the tokenizer has no pad token id; pass reinforge.data.get_pad_token_id(tokenizer), "
                              "which falls back to the EOS id")
         if batch_size < 1:
             raise ValueError(f"the {dataset.name} batch size is {batch_size}; it must be at least 1")
         if drop_last and batch_size > len(dataset):
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the {len(dataset)} {dataset.name} "
+            raise ValueError(f"{size_key}={batch_size} is larger than the {len(dataset)} {dataset.name} "
                              "prompts, so no full batch can be formed; lower the batch size or add data")
         self.dataset = dataset
         self.batch_size = batch_size
@@ -99,7 +101,8 @@ class PromptLoader:
     def for_training(cls, dataset: RLDataset, config: DataConfig, pad_token_id: int) -> PromptLoader:
         """Batches of data.gen_batch_size prompts (dynamic sampling), else data.train_batch_size."""
         return cls(dataset, config.gen_batch_size or config.train_batch_size, pad_token_id,
-                   shuffle=config.shuffle, seed=config.seed, drop_last=True, repeat=True)
+                   shuffle=config.shuffle, seed=config.seed, drop_last=True, repeat=True,
+                   size_key="data.gen_batch_size" if config.gen_batch_size else "data.train_batch_size")
 
     @classmethod
     def for_validation(cls, dataset: RLDataset, config: DataConfig, pad_token_id: int) -> PromptLoader:

@@ -136,3 +136,12 @@ def test_batch_larger_than_the_dataset_is_an_error():
 def test_missing_pad_id_points_to_the_fallback():
     with pytest.raises(ValueError, match="get_pad_token_id"):
         PromptLoader(ListDataset(4), 2, pad_token_id=None)
+
+
+def test_a_generation_batch_larger_than_the_data_names_data_gen_batch_size():
+    """Dynamic sampling's loader hands out data.gen_batch_size prompts; the refusal named data.train_batch_size."""
+    config = DataConfig(train_batch_size=1, gen_batch_size=3)
+    with pytest.raises(ValueError, match=r"^data.gen_batch_size=3 is larger than the 2 train prompts"):
+        PromptLoader.for_training(ListDataset(2), config, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"^data.train_batch_size=3 is larger than the 2 train prompts"):
+        PromptLoader.for_training(ListDataset(2), DataConfig(train_batch_size=3), pad_token_id=0)
