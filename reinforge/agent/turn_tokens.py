@@ -27,6 +27,7 @@ write an earlier assistant's content as it was is refused: ``increment`` raises.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,8 @@ from reinforge.data.chat_template import (
 
 TOOL_OUTPUT_PROBE = "reinforge-tool-output-probe"
 """A tool message's content that renders as itself: where the template shows the model a tool's output."""
+EARLIER_REPLY = "reinforge-earlier-reply"
+"""The content of the earlier assistant turns a later tool turn is rendered after."""
 PROBE_CALL_ID = "c00000000"
 """The probe's ``tool_call_id``, of the form the loop gives its results (``tool_agent.call_id``)."""
 
@@ -129,15 +132,25 @@ class ToolTurnRenderer:
         of its own. A template may write a later tool turn unlike the first (DeepSeek-V3's opens only a
         conversation's first tool outputs with ``<｜tool▁outputs▁begin｜>``): the increment is what the whole
         conversation's template writes at that place."""
-        messages = ASSISTANT_TURN[:1]
-        for turn in (*earlier, tool_messages):
-            messages = [*messages, ASSISTANT_TURN[1], *turn]
+        if earlier:
+            messages = ASSISTANT_TURN[:1]
+            for turn in earlier:
+                messages = [*messages, {"role": "assistant", "content": EARLIER_REPLY}, *turn]
+            # a template that rewrites earlier turns keeps the first tool turn's rendering, checked when the renderer
+            # was made
+            with contextlib.suppress(Exception):
+                return self._tool_turn_text([*messages, ASSISTANT_TURN[1], *tool_messages])
+        return self._tool_turn_text([*ASSISTANT_TURN, *tool_messages])
+
+    def _tool_turn_text(self, messages: list[dict[str, Any]]) -> str:
+        """The text ``messages`` (ending with the marked assistant turn and tool messages) render after the marked
+        turn's end-of-turn token."""
         full = self._render(messages, add_generation_prompt=True)
-        if full.count(ASSISTANT_MARKER) != len(earlier) + 1:
+        if full.count(ASSISTANT_MARKER) != 1:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
                              "it (its content is not written as it was), so a trajectory's tokens cannot stay as "
                              "sampled; use a template that keeps earlier turns' content as it is")
-        rest = full[full.rindex(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+        rest = full[full.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
         if not rest.startswith(self.eos_text):
             raise ValueError(f"the chat template closes an assistant turn that tool messages follow with "
                              f"{rest[:40]!r}, not with {self.eos_text!r} as it closes a last turn; tool turns cannot "
