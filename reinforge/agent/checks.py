@@ -21,7 +21,13 @@ def check_tools(tool_format: str, tools: dict[str, Any]) -> None:
             if not inspect.iscoroutinefunction(getattr(tool, method, None)):
                 raise ValueError(f"tool {name!r}: {type(tool).__name__}.{method} is not an async function; write "
                                  f"`async def {method}(...)` (a blocking call inside may use asyncio.to_thread)")
-        tool.check()
+        try:
+            tool.check()
+        except ValueError:
+            raise  # the tool's own line: what is wrong and the fix
+        except Exception as error:  # a bug in the check, or the error of a service it asked: name the tool
+            raise ValueError(f"tool {name!r} ({type(tool).__name__}) cannot work: its check() raised "
+                             f"{type(error).__name__}: {error}; fix the tool or the service it calls") from None
 
 
 def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]) -> None:

@@ -275,3 +275,19 @@ def test_a_tool_whose_execute_is_not_async_is_refused_before_training():
     with pytest.raises(ValueError, match=r"tool 'needs': Blocking.execute is not an async function; write "
                                          r"`async def execute\(...\)`"):
         check_tools("hermes", {"multiply": FunctionTool(multiply), "needs": Blocking({}, NEEDS_SCHEMA)})
+
+
+class CheckRaises(BaseTool):
+    def check(self):
+        raise ConnectionError("connection refused")
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        return "ok"
+
+
+def test_a_tool_check_that_raises_a_non_value_error_is_one_line_naming_the_tool():
+    from reinforge.agent import check_tools
+
+    with pytest.raises(ValueError, match=r"^tool 'needs' \(CheckRaises\) cannot work: its check\(\) raised "
+                                         r"ConnectionError: connection refused; fix the tool"):
+        check_tools("hermes", {"needs": CheckRaises({}, NEEDS_SCHEMA)})
