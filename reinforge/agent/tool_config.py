@@ -128,7 +128,8 @@ def import_object(spec: str, where: str) -> Any:
     if ":" in spec:
         file, _, name = spec.rpartition(":")
         if not Path(file).is_file():
-            raise ValueError(f"{where}: the file {file!r} of {spec!r} does not exist")
+            raise ValueError(f"{where}: the file {file!r} of {spec!r} does not exist (looked for {Path(file).resolve()}; "
+                             "a relative path is the working directory's); fix the path in class_name")
         module_name = f"reinforge_tools_{abs(hash(str(Path(file).resolve())))}"
         module = sys.modules.get(module_name)
         if module is None:

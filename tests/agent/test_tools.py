@@ -125,6 +125,9 @@ def test_yaml_config_loads_classes_and_functions(tmp_path):
     ("tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n    config: {run_timeout_s: 5}\n",
      r"tool 0 of .*: making reinforge.agent.code_interpreter.CodeInterpreterTool from its config .* failed: "
      r"ValueError: the code_interpreter tool needs config.sandbox_url"),
+    ("tools:\n  - class_name: no/such/tools.py:add\n",
+     r"tool 0 of .*: the file 'no/such/tools.py' of 'no/such/tools.py:add' does not exist \(looked for /.*/no/such/"
+     r"tools.py; a relative path is the working directory's\)"),
     ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: [a, b]\n",
      r"tool 0 of .*: config is \['a', 'b'\]; it must be a mapping"),
     ("tools:\n  - class_name: reinforge.agent.gsm8k_tool.Gsm8kTool\n    cofnig: {type: native}\n",
