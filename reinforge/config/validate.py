@@ -470,9 +470,9 @@ def _check_modes(config: Config) -> None:
     if config.algorithm.filter_groups.enable:
         raise ConfigError(f"algorithm.filter_groups (dynamic sampling) runs with trainer.mode=sync only, not "
                           f"trainer.mode={trainer.mode}; disable one of them")
-    if trainer.mode == "async" and config.algorithm.adv_estimator == "remax":
-        raise ConfigError("algorithm.adv_estimator=remax needs a greedy rollout per step, which trainer.mode=async "
-                          "does not run; use trainer.mode=sync or one_step_off, or another estimator")
+    if config.algorithm.adv_estimator == "remax":
+        raise ConfigError(f"algorithm.adv_estimator=remax needs a greedy rollout per step, which "
+                          f"trainer.mode={trainer.mode} does not run; use trainer.mode=sync, or another estimator")
 
 
 def model_score_source(config: Config) -> str | None:

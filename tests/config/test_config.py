@@ -439,6 +439,8 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     (["data.val_batch_size=0"], r"data.val_batch_size=0 must be at least 1, or null"),
     (["trainer.mode=async", "trainer.max_staleness=.inf"], r"trainer.max_staleness=inf must be a finite number >= 0"),
     (["trainer.mode=async", "trainer.max_staleness=nan"], r"trainer.max_staleness=nan must be a finite number >= 0"),
+    (["trainer.mode=one_step_off", "algorithm.adv_estimator=remax"],
+     r"remax needs a greedy rollout per step, which trainer.mode=one_step_off does not run; use trainer.mode=sync"),
 ])
 def test_values_refused_only_after_the_model_loaded_are_refused_with_the_config(overrides, message):
     """Each of these passed validation and failed once the model had loaded (AdamW's own checks, the KL controller,
