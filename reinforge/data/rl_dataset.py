@@ -23,6 +23,7 @@ discovered in the middle of a step. A malformed row raises one line naming the f
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -170,6 +171,10 @@ def _checked_prompt(row: Row, prompt_key: str, where: str, content_parts: bool =
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where} has an empty {prompt_key!r} string; give the prompt's text (or chat messages)")
+        if _is_messages_json(prompt):
+            raise ValueError(f"{where} has a {prompt_key!r} that is chat messages written as JSON text, which the "
+                             "model would read as it is; store the list itself (json.loads each prompt before "
+                             "writing the file)")
         return prompt
     if isinstance(prompt, list) and not prompt:
         raise ValueError(f"{where} has an empty {prompt_key!r}; give at least one chat message or a string")
@@ -178,6 +183,18 @@ def _checked_prompt(row: Row, prompt_key: str, where: str, content_parts: bool =
                          "{'role': ..., 'content': ...} messages or a string")
     check_chat_messages(prompt, f"the {prompt_key!r} in {where}", content_parts=content_parts)
     return prompt
+
+
+def _is_messages_json(text: str) -> bool:
+    """Whether ``text`` is a JSON list of chat messages (a CSV or a to_json round trip stores a prompt so)."""
+    if not text.lstrip().startswith("[{"):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(message, dict) and "role" in message and "content" in message for message in value)
 
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
