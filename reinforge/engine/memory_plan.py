@@ -560,12 +560,14 @@ def check_model_config(path: str) -> None:
         check_size_values(text)
         check_routing_and_window(text, str(file))
         config_class = _config_class(given.get("model_type") if isinstance(given.get("model_type"), str) else None)[0]
-        try:
+        try:  # no model_type, or one transformers has no config class of: read as the load reads it (below)
             built = config_class.from_dict(given) if config_class is not None else None
         except Exception:  # noqa: BLE001 (a config the class cannot build: transformers' own reading says why)
+            built = None
+        if built is None and "auto_map" not in given:
             # refused in one line where AutoConfig fails too; a folder with its own code (auto_map) is read by the
             # load, with model.trust_remote_code
-            built = None if "auto_map" in given else read_model_config(path)
+            built = read_model_config(path)
         if built is not None:
             check_transformers_runs(built)
 

@@ -249,8 +249,21 @@ def test_never_more_than_the_device_minus_overhead():
 
 @pytest.fixture()
 def seven_b_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(QWEN25["7b"]))  # only config.json: no weights
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN25["7b"], "model_type": "qwen2"}))  # no weights
     return tmp_path
+
+
+def test_a_config_json_transformers_cannot_read_is_refused_by_plan_as_the_load_refuses_it(tmp_path, capsys):
+    """A config.json without model_type planned as fitting, where train's load refused it."""
+    from reinforge.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25["0.5b"]))
+    assert main(["plan", f"model.path={tmp_path}", "--gpu-memory-gib", "80", "--host-memory-gib", "128"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: model.path={tmp_path}: transformers cannot read its config.json") and "\n" not in err
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN25["0.5b"], "model_type": "qwen9"}))
+    assert main(["plan", f"model.path={tmp_path}", "--gpu-memory-gib", "80", "--host-memory-gib", "128"]) == 2
+    assert "is a 'qwen9' model, which transformers" in capsys.readouterr().err
 
 
 def test_reinforge_plan_on_a_machine_without_the_gpu(seven_b_folder, capsys):
