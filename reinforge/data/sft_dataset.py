@@ -505,6 +505,9 @@ def _conversation_of(row: dict[str, Any], key: str, where: str,
 
 def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]]:
     messages = as_list(row.get(key))
+    if isinstance(messages, str):  # a CSV or to_json round trip stores the list as its JSON text
+        raise ValueError(f"{where} has {key!r} as a string ({messages[:40]!r}), not a list of chat messages; store "
+                         "the list itself (json.loads each row's messages before writing the file)")
     if not isinstance(messages, list) or not messages:
         columns = ", ".join(sorted(row)) or "none"
         if row.get("prompt") is not None or row.get("completion") is not None:

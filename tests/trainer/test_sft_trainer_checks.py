@@ -181,3 +181,9 @@ def test_max_samples_reached_in_the_first_file_leaves_the_later_ones_unread(tmp_
     later.write_text("{not json\n")  # a shard the run does not need
     dataset = SFTDataset([first, later], tokenizer, max_length=64, chat_template=PRINTING_TEMPLATE, max_samples=2)
     assert len(dataset) == 2
+
+
+def test_messages_stored_as_json_text_are_named_as_such(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"^row 1 of .* has 'messages' as a string \('\[\{.*\), not a list of chat "
+                                         r"messages; store the list itself"):
+        dataset_of(tmp_path, tokenizer, GOOD, {"messages": json.dumps(GOOD["messages"])})
