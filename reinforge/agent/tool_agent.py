@@ -231,6 +231,12 @@ class ToolAgentLoop(AgentLoop):
                               {"tool_error": 1.0, "tool_raised": 1.0})
         except SystemExit as error:
             return _raised(call.name, RuntimeError(f"the tool called exit({error.code})"))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the trajectory is being cancelled
+            # the tool's own: a request of its library cancelled inside it, not this call
+            return _raised(call.name, RuntimeError("the tool raised CancelledError (something it awaited was cancelled)"))
         except Exception as error:
             return _raised(call.name, error)
         return result

@@ -435,6 +435,38 @@ def test_lone_surrogates_in_a_tool_output_are_shown_as_replacement_characters(ch
     assert output.finish_reason == "stop" and output.metrics["tool_errors"] == 0
 
 
+class CancelledInside(BaseTool):
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        if arguments.get("wait"):
+            await asyncio.sleep(30)
+        request = asyncio.ensure_future(asyncio.sleep(30))  # a request its library cancels
+        asyncio.get_running_loop().call_later(0.01, request.cancel)
+        return await request
+
+
+def test_a_cancelled_error_of_the_tools_own_fails_its_call_and_a_cancelled_trajectory_still_stops(chatml_tokenizer,
+                                                                                                  scripted_client):
+    schema = {"type": "function", "function": {"name": "cancels", "description": "c",
+                                                "parameters": {"type": "object", "properties": {}}}}
+    tools = {"cancels": CancelledInside({}, schema)}
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("cancels"), "done"]), tools=tools)
+    assert "the tool raised CancelledError" in tool_texts(chatml_tokenizer, output)  # it stopped the whole rollout
+    assert output.metrics["tool_raised"] == 1 and output.finish_reason == "stop"
+
+    context = AgentContext(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("cancels", wait=True), "done"]),
+                           MultiTurnConfig(), tools)
+
+    async def cancelled_meanwhile():
+        trajectory = asyncio.ensure_future(get_agent_loop("tool_agent")(context).run(
+            SamplingParams(max_tokens=2000, seed=3), prompt_ids=[1, 2, 3]))
+        await asyncio.sleep(0.2)
+        trajectory.cancel()
+        await trajectory
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(asyncio.wait_for(cancelled_meanwhile(), 10))
+
+
 def test_a_huge_tool_output_is_cut_without_tokenizing_all_of_it(chatml_tokenizer, scripted_client):
     import time
 
