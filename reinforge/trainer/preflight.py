@@ -103,6 +103,10 @@ def check_config(config: Config) -> None:
         raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the old policy's sum of pi^2 from "
                           "a log-prob pass, which algorithm.rollout_correction.bypass_mode=true skips; "
                           "set bypass_mode=false")
+    if config.trainer.mode != "sync" and config.trainer.proximal == "loglinear" and estimator.needs_sum_pi_squared:
+        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the old policy's sum of pi^2 from "
+                          f"a log-prob pass, which trainer.proximal=loglinear skips on the stale batches of "
+                          f"trainer.mode={config.trainer.mode}; set trainer.proximal=recompute")
     if critic_enabled(config):
         critic = config.critic
         if not critic.cliprange_value > 0:

@@ -173,6 +173,8 @@ def test_malformed_override_and_missing_file(tmp_path):
      "actor.policy_loss.loss_mode=gspo would be ignored"),
     (["algorithm.rollout_correction.bypass_mode=true", "algorithm.adv_estimator=optimal_token_baseline"],
      "which algorithm.rollout_correction.bypass_mode=true skips"),
+    (["trainer.mode=async", "trainer.proximal=loglinear", "algorithm.adv_estimator=tir_optimal_token_baseline"],
+     "which trainer.proximal=loglinear skips on the stale batches of trainer.mode=async; set trainer.proximal=recompute"),
     (["model.lora.rank=-1"], r"model.lora.rank=-1 must be 0 \(off\) or a positive adapter rank"),
     (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
     (["model.lora.dropout=1.0"], r"model.lora.dropout=1.0 must be in \[0, 1\)"),
