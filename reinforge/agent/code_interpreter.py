@@ -149,6 +149,11 @@ class CodeInterpreterTool(BaseTool):
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return ToolResult("code_interpreter needs a non-empty 'code' string argument.", 0.0, {"tool_error": 1.0})
+        try:  # a lone surrogate the model wrote as a JSON escape (\ud800): the model's mistake, not a sandbox failure
+            code.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return ToolResult(f"The code was not run: it holds {code[error.start:error.end]!r} at position {error.start}, "
+                              "which is not a character.", 0.0, {"tool_error": 1.0})
         deadline = time.monotonic() + self.call_timeout_s  # counted from now: queueing for a thread is part of it
         response = await asyncio.get_running_loop().run_in_executor(self._executor, self._call, code, deadline)
         text, metrics = format_run(response)

@@ -64,6 +64,15 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
         CodeInterpreterTool({})
 
 
+def test_code_holding_a_lone_surrogate_is_the_models_mistake_not_a_sandbox_failure():
+    # the sandbox refuses such a request (400), which counted as the sandbox failing: enough in a row stop the run
+    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "retry_budget_s": 0.5,
+                                "max_failures_in_a_row": 1})
+    result = _run(tool, "print('\udcff')")
+    assert result.text == "The code was not run: it holds '\\udcff' at position 7, which is not a character."
+    assert result.metrics == {"tool_error": 1.0}
+
+
 @pytest.mark.parametrize(("config", "error"), [
     ({"run_timeout": 5}, "has unknown keys run_timeout; the keys are sandbox_url, run_timeout_s"),  # before: default 10 s
     ({"run_timeout_s": "ten"}, "run_timeout_s='ten' is not a number"),  # before: "could not convert string to float"
