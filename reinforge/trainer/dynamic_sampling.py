@@ -18,6 +18,7 @@ then only an upper bound (the learning-rate schedule's length, as in verl). With
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +31,10 @@ from reinforge.trainer.run_loop import DataExhausted
 
 PROMPT_COLUMNS = ("prompts",)
 """Tensors left-padded to the prompt width."""
+logger = logging.getLogger(__name__)
+
+UNLIMITED_WARNING_FIRST = 10
+"""With max_num_gen_batches=0 (no limit), a step warns after this many generation batches, then at each doubling."""
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask")
 """Tensors over prompt + response, left-padded on the prompt side (position_ids is rebuilt)."""
 
@@ -115,6 +120,12 @@ def concat_generated(batches: list[Batch], pad_token_id: int) -> Batch:
     return Batch.concat(padded)
 
 
+def _warns_at(num_gen_batches: int) -> bool:
+    """10, 20, 40, 80... generation batches (``UNLIMITED_WARNING_FIRST`` and its doublings)."""
+    times, rest = divmod(num_gen_batches, UNLIMITED_WARNING_FIRST)
+    return rest == 0 and times > 0 and times & (times - 1) == 0
+
+
 def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generate_scored: Callable[[Batch], Batch],
                         config: FilterGroupsConfig, num_groups: int,
                         pad_token_id: int) -> tuple[Batch, dict[str, float]]:
@@ -143,6 +154,12 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
                 f"after algorithm.filter_groups.max_num_gen_batches={config.max_num_gen_batches} generation batches "
                 f"(the metric {config.metric} was the same for every sample of the others); raise "
                 "max_num_gen_batches (0 means no limit) or data.gen_batch_size, or use easier or harder data")
+        if config.max_num_gen_batches == 0 and _warns_at(num_gen_batches):
+            logger.warning("dynamic sampling has kept %d of the data.train_batch_size=%d prompt groups one step needs "
+                           "after %d generation batches, and algorithm.filter_groups.max_num_gen_batches=0 sets no "
+                           "limit (the metric %s was the same for every sample of the others): check the scorer, "
+                           "or set max_num_gen_batches to stop the run", num_kept, num_groups, num_gen_batches,
+                           config.metric)
         try:
             prompts = next_prompts()
         except DataExhausted as exhausted:

@@ -109,6 +109,21 @@ def test_too_many_generation_batches_fail_with_the_fix_and_zero_means_no_limit()
     assert metrics["train/num_gen_batches"] == 21.0 and list(batch["uid"]) == ["y", "y"]
 
 
+def test_a_step_without_a_limit_that_keeps_nothing_warns_at_10_20_40_generation_batches(caplog):
+    """max_num_gen_batches=0 with a metric that never varies generates for ever; the log says so as it goes."""
+    calls = iter([scored_batch({"x": [1, 1]}, 2)] * 45 + [scored_batch({"y": [0, 1]}, 2)])
+    unlimited = FilterGroupsConfig(enable=True, metric="score", max_num_gen_batches=0)
+    with caplog.at_level("WARNING", logger="reinforge.trainer.dynamic_sampling"):
+        collect_kept_groups(next(calls), lambda: next(calls), lambda prompts: prompts, unlimited, num_groups=1,
+                            pad_token_id=PAD)
+    warned = [record.getMessage() for record in caplog.records]
+    assert [message.split(" after ")[1].split(" ")[0] for message in warned] == ["10", "20", "40"]
+    assert warned[0] == ("dynamic sampling has kept 0 of the data.train_batch_size=1 prompt groups one step needs after "
+                         "10 generation batches, and algorithm.filter_groups.max_num_gen_batches=0 sets no limit (the "
+                         "metric score was the same for every sample of the others): check the scorer, or set "
+                         "max_num_gen_batches to stop the run")
+
+
 def test_concat_fills_missing_extras_with_none():
     first, second = scored_batch({"a": [0, 1]}, 2), scored_batch({"b": [0, 1]}, 2)
     second.non_tensors["reward_pred"] = np.array(["1", "2"], dtype=object)
