@@ -45,16 +45,19 @@ class ToolParser(Protocol):
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}
 
 
-JSON_ERRORS = (json.JSONDecodeError, RecursionError)
-"""What decoding a sampled call may raise: bad JSON, or JSON nested deeper than Python's recursion limit (a model
-that repeats ``[`` or ``{``), which would otherwise stop the rollout."""
+JSON_ERRORS = (ValueError, RecursionError)
+"""What decoding a sampled call may raise: bad JSON (``json.JSONDecodeError``), an integer of more digits than Python
+converts (a ValueError), or JSON nested deeper than Python's recursion limit (a model that repeats ``[`` or ``{``):
+each would otherwise stop the rollout."""
 
 
 def json_problem(error: Exception, at: bool = True) -> str:
     """Why a call's JSON does not read, for the model."""
     if isinstance(error, json.JSONDecodeError):
         return f"{error.msg} (at character {error.pos})" if at else error.msg
-    return "it is nested too deeply"
+    if isinstance(error, RecursionError):
+        return "it is nested too deeply"
+    return "it holds a number too long to read"
 
 
 REASONING_END = "</think>"

@@ -101,6 +101,18 @@ def test_json_nested_past_the_recursion_limit_is_a_malformed_call(format, text):
     assert any(call.error is not None and "nested too deeply" in call.error for call in calls)
 
 
+@pytest.mark.parametrize("format, text", [
+    ("hermes", '<tool_call>{"name": "a", "arguments": {"x": ' + "1" * 5000 + "}}</tool_call>"),
+    ("llama3_json", '{"name": "a", "parameters": {"x": ' + "1" * 5000 + "}}"),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": ' + "1" * 5000 + "}"),
+    ("deepseek_v3", DEEPSEEK_CALLS.replace('{"x": 1}', '{"x": ' + "1" * 5000 + "}")),
+])
+def test_an_integer_longer_than_python_reads_is_a_malformed_call(format, text):
+    # a model repeating a digit: json raised a plain ValueError (Python's 4300-digit limit), which stopped the rollout
+    calls = get_tool_parser(format).parse(text)
+    assert any(call.error is not None and "a number too long to read" in call.error for call in calls)
+
+
 def test_unknown_format_lists_the_known_ones():
     with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: deepseek_v3, hermes, "
                                          "llama3_json, mistral"):
