@@ -784,6 +784,9 @@ class RunShape:
     response_length: int
     num_mini_batches: int = 1
     num_devices: int = 1
+    devices_per_host: int = 1
+    """Training processes on one machine (trainer.devices_per_node), one a device: each keeps its own share of what
+    is offloaded, so the host holds that many shares."""
     dtype_bytes: int = 2
     """Bytes of the compute dtype: 2 (bf16) on a GPU, 4 on the CPU."""
     eager: bool = False
@@ -1064,8 +1067,9 @@ def add_vision_tower(phases: dict[str, dict[str, float]], host: dict[str, float]
 
 def estimate(shape: ModelShape, run: RunShape, settings: Settings,
              gpu_bytes: float = 0.0) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Bytes per consumer: ``({"rollout": {...}, "update": {...}}, host)``, per device; with
-    ``run.kv_cache_fraction``, the KV cache is what the rollout leaves of that fraction of ``gpu_bytes``."""
+    """Bytes per consumer: ``({"rollout": {...}, "update": {...}}, host)``, per device (the host's: per machine, the
+    shares of its ``run.devices_per_host`` processes); with ``run.kv_cache_fraction``, the KV cache is what the
+    rollout leaves of that fraction of ``gpu_bytes``."""
     devices, dtype_bytes, params = run.num_devices, run.dtype_bytes, shape.num_params
     trainable = lora_params(shape, run.lora_rank, run.lora_targets) if run.lora_rank else params
     host: dict[str, float] = {}
@@ -1159,7 +1163,7 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings,
         phases["reward"] = reward_phase(run, settings, resident | kept)
     if run.judge is not None:
         phases["judge"] = judge_phase(run, kv_cache, resident | kept)
-    return phases, host
+    return phases, {name: value * run.devices_per_host for name, value in host.items()}
 
 
 def peak_bytes(phases: dict[str, dict[str, float]]) -> tuple[str, float]:
@@ -1394,7 +1398,7 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                    (f"data.train_batch_size={max(run.prompts // 2, 1)}",
                     dataclasses.replace(run, prompts=max(run.prompts // 2, 1))),
                    (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
-                    dataclasses.replace(run, num_devices=run.num_devices * 2))]
+                    dataclasses.replace(run, num_devices=run.num_devices * 2, devices_per_host=run.devices_per_host * 2))]
         if run.critic and not run.critic_offload:  # the critic's state is no planned setting: the user's to move
             options.insert(0, ("critic.optimizer_offload=true", dataclasses.replace(run, critic_offload="optimizer")))
         # half the KV bytes (docs/long_responses.md), where the native engine keeps the cache

@@ -174,3 +174,17 @@ def test_a_critic_of_its_own_model_is_counted_by_its_sizes_and_a_missing_one_nam
     config.critic.model_path = str(tmp_path / "missing")
     with pytest.raises(MemoryPlanError, match=r"so critic.model_path must be a model folder"):
         memory_plan(config)
+
+
+def test_the_host_holds_what_every_process_of_its_machine_offloads(config):
+    """Each of a machine's processes offloads its own shard, and the plan compared one process's share with the whole
+    host: two processes of a machine offloading 9 GiB each planned as fitting in 18 GiB of host memory."""
+    from reinforge.engine.memory_plan import ModelShape
+
+    params = ModelShape.from_model_path(config.model.path).num_params
+    config.trainer.backend, config.trainer.devices_per_node, config.actor.optimizer_offload = "ray", 2, True
+    host = memory_plan(config).host
+    assert host["optimizer state"] == 8 * params and host["master copy"] == 4 * params  # two shares of half each
+    config.trainer.host_memory_gib = 18.0
+    with pytest.raises(MemoryPlanError, match=r"needs 18.3 GiB of host memory but 16.9 GiB are usable"):
+        memory_plan(config)
