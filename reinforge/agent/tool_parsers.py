@@ -15,7 +15,6 @@ then the arguments in a json code block).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -95,16 +94,21 @@ class HermesToolParser:
     answer and the model would never learn that its call went nowhere.
     """
 
-    pattern = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-    opening = "<tool_call>"
+    opening, closing = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> list[ToolCall]:
+        """Each ``<tool_call>`` with the first ``</tool_call>`` after it, in one pass (a regex's search for the
+        closing tag from every opening took seconds, the event loop waiting, on a turn that repeats the opening)."""
         text = text[reasoning_end(text):]
-        calls = [self._read(body.strip()) for body in self.pattern.findall(text)]
-        last_end = max((match.end() for match in self.pattern.finditer(text)), default=0)
-        if self.opening in text[last_end:]:
-            calls.append(ToolCall("", error="A <tool_call> was not closed with </tool_call>, so it was not run; "
-                                            'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'))
+        calls, position = [], 0
+        while (start := text.find(self.opening, position)) >= 0:
+            end = text.find(self.closing, start + len(self.opening))
+            if end < 0:
+                calls.append(ToolCall("", error="A <tool_call> was not closed with </tool_call>, so it was not run; "
+                                                'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'))
+                break
+            calls.append(self._read(text[start + len(self.opening):end].strip()))
+            position = end + len(self.closing)
         return calls
 
     @staticmethod

@@ -113,6 +113,15 @@ def test_an_integer_longer_than_python_reads_is_a_malformed_call(format, text):
     assert any(call.error is not None and "a number too long to read" in call.error for call in calls)
 
 
+def test_a_turn_repeating_the_opening_tag_is_read_in_linear_time():
+    import time
+
+    start = time.perf_counter()
+    calls = get_tool_parser("hermes").parse("<tool_call>" * 20000)  # a regex took 40 s, the event loop waiting
+    assert time.perf_counter() - start < 1
+    assert len(calls) == 1 and "was not closed" in calls[0].error
+
+
 def test_unknown_format_lists_the_known_ones():
     with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: deepseek_v3, hermes, "
                                          "llama3_json, mistral"):
