@@ -75,9 +75,7 @@ class RLTrainer(TrainingRun):
         # every check that can run before a model loads
         checked = preflight(config, placement, reward_functions, prompt_sets)
         self.run_dir = Path(config.trainer.output_dir)
-        # async mode's checkpoint holds prompt groups in flight, each with the rollout.n samples it was admitted with
-        refused = RESUME_REFUSES + (("rollout.n",) if config.trainer.mode == "async" else ())
-        self.open_run_folder(config.trainer.resume, config.trainer.keep_last, refused)
+        self.open_run_folder(config.trainer.resume, config.trainer.keep_last, resume_refuses(config))
         with self.run_folder_released_on_failure():
             torch.manual_seed(config.trainer.seed)
             np.random.seed(config.trainer.seed)
@@ -495,6 +493,16 @@ RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "cr
 """Settings a resumed run may not change: the checkpoint's weights, data order or algorithm would not fit them (the
 pixel bounds set each image's tokens, so which prompts data.max_prompt_length keeps, and what the model was trained
 to see)."""
+
+
+def resume_refuses(config: Config) -> tuple[str, ...]:
+    """``RESUME_REFUSES``, and in async mode what its checkpoint's prompt groups in flight were admitted under:
+    rollout.n (each group's samples) and trainer.trigger_sync_steps (the staleness bound counts every group admitted
+    so far in versions of trigger_sync_steps x train_batch_size groups; with another count the bound can admit
+    nothing while the trainer waits for groups)."""
+    if config.trainer.mode == "async":
+        return RESUME_REFUSES + ("rollout.n", "trainer.trigger_sync_steps")
+    return RESUME_REFUSES
 
 
 def default_placement(config: Config) -> RolePlacement:

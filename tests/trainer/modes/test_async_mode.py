@@ -16,12 +16,15 @@ import pytest
 import torch
 
 from reinforge.cli import main
+from reinforge.config import config_to_dict
 from reinforge.config.schema import Config
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.trainer.modes.async_mode import AsyncMode
 from reinforge.trainer.modes.partial import run_segment
 from reinforge.trainer.modes.trainer_calls import TrainerCalls
+from reinforge.trainer.rl_trainer import resume_refuses
+from reinforge.trainer.run_folder import check_resumed_settings
 
 from ..test_rl_trainer import base_args, read_metrics, sigkill_at_step, train_in_a_process
 
@@ -335,3 +338,13 @@ def test_between_two_syncs_validation_sees_the_current_weights_and_a_resumed_rol
     again.load_state_dict(state, 3)
     again.read_checkpoint(folder)
     assert resumed.rollout_weights == 2
+
+
+def test_an_async_run_resumed_with_another_trigger_sync_steps_is_refused(tmp_path):
+    """The bound counts every group admitted so far in versions of trigger_sync_steps x train_batch_size groups: with
+    fewer per version a resumed run admitted nothing while its trainer waited for groups, for ever."""
+    old, new = Config(), Config()
+    old.trainer.mode = new.trainer.mode = "async"
+    old.trainer.trigger_sync_steps, new.trainer.trigger_sync_steps = 2, 1
+    with pytest.raises(ValueError, match=r"changed settings it cannot take: trainer.trigger_sync_steps: 2 -> 1"):
+        check_resumed_settings(config_to_dict(old), config_to_dict(new), resume_refuses(new), tmp_path)
