@@ -293,11 +293,12 @@ def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
     every setting given, where the native engine's KV cache cannot hold one sequence (``_check_given_cache``)."""
     if not has_auto_settings(config):
         if native_engine_runs(config) and (gpu_bytes := device_memory_bytes(config)) is not None:
-            _check_given_cache(config, gpu_bytes)
+            _check_given_cache(config, _within_card(config, gpu_bytes))
         return None
     gpu_bytes = device_memory_bytes(config)
     if gpu_bytes is None:
         return None
+    gpu_bytes = _within_card(config, gpu_bytes)
     shape, run, plan = _plan(config, gpu_bytes)
     for key, value in config_values(plan.settings, shape, run).items():
         if _setting(config, key) == AUTO:
@@ -308,6 +309,21 @@ def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
     global _last_plan
     _last_plan = plan
     return plan
+
+
+def _within_card(config: Config, gpu_bytes: float) -> float:
+    """``gpu_bytes``, or the card's own memory where trainer.gpu_memory_gib asks for more than the GPU this process
+    trains on has (said once in a warning): the cap cannot give more than the card (``cap_device_memory``)."""
+    wants_cuda = config.trainer.device in ("cuda", "auto")
+    if not config.trainer.gpu_memory_gib or not wants_cuda or not torch.cuda.is_available():
+        return gpu_bytes
+    card = float(torch.cuda.mem_get_info()[1])
+    if gpu_bytes <= card:
+        return gpu_bytes
+    logger.warning("trainer.gpu_memory_gib=%g is more than the %.1f GiB of this process's GPU; the memory plan is for "
+                   "the GPU's %.1f GiB (lower trainer.gpu_memory_gib, or leave it null to plan for the whole GPU)",
+                   config.trainer.gpu_memory_gib, card / GiB, card / GiB)
+    return card
 
 
 def cap_device_memory(config: Config, device: torch.device) -> None:

@@ -188,3 +188,20 @@ def test_the_host_holds_what_every_process_of_its_machine_offloads(config):
     config.trainer.host_memory_gib = 18.0
     with pytest.raises(MemoryPlanError, match=r"needs 18.3 GiB of host memory but 16.9 GiB are usable"):
         memory_plan(config)
+
+
+def test_train_plans_for_the_card_where_trainer_gpu_memory_gib_asks_for_more(config, monkeypatch, caplog):
+    """trainer.gpu_memory_gib=139 on a 40 GiB card planned settings for 139 GiB, which the card cannot hold; reinforge
+    plan still answers for the card it names, on any machine."""
+    import torch
+
+    from reinforge.engine.memory_plan import HEADROOM
+    from reinforge.workers.memory_settings import apply_memory_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GiB, 40 * GiB))
+    assert memory_plan(config).gpu_budget == 139 * GiB * HEADROOM  # reinforge plan: the card it is asked about
+    with caplog.at_level("WARNING"):
+        plan = apply_memory_plan(config, log=False)
+    assert plan.gpu_budget == 40 * GiB * HEADROOM and plan.fits
+    assert "trainer.gpu_memory_gib=139 is more than the 40.0 GiB of this process's GPU" in caplog.text
