@@ -131,7 +131,22 @@ class ToolTurnRenderer:
         earlier: the tool messages of the trajectory's earlier tool turns, each of which followed an assistant turn
         of its own. A template may write a later tool turn unlike the first (DeepSeek-V3's opens only a
         conversation's first tool outputs with ``<｜tool▁outputs▁begin｜>``): the increment is what the whole
-        conversation's template writes at that place."""
+        conversation's template writes at that place. Only as many earlier turns as the template's rendering of a
+        tool turn depends on are rendered (``history_turns``): all of them each time would take seconds over a
+        trajectory of hundreds of short turns, the event loop waiting."""
+        kept = self.history_turns
+        earlier = () if kept == 0 else earlier if kept is None else earlier[-kept:]
+        return self._increment_text(tool_messages, earlier)
+
+    @functools.cached_property
+    def history_turns(self) -> int | None:
+        """How many of a trajectory's earlier tool turns change how the template writes the next one: 0 (most
+        templates), 1 (DeepSeek-V3's: whether one came before), or None (all, as far as a probe of two tells)."""
+        probe = [{"role": "tool", "content": TOOL_OUTPUT_PROBE, "tool_call_id": PROBE_CALL_ID}]
+        texts = [self._increment_text(probe, [probe] * count) for count in range(3)]
+        return 0 if texts[1] == texts[0] and texts[2] == texts[0] else 1 if texts[2] == texts[1] else None
+
+    def _increment_text(self, tool_messages: list[dict[str, Any]], earlier: Sequence[Sequence[dict[str, Any]]]) -> str:
         if earlier:
             messages = ASSISTANT_TURN[:1]
             for turn in earlier:

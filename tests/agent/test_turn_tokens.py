@@ -155,6 +155,20 @@ def test_a_later_tool_turn_is_what_the_whole_conversations_template_writes_there
     assert output.metrics["num_tool_calls"] == 3 and output.metrics["tool_errors"] == 0
 
 
+def test_a_long_trajectorys_tool_turns_render_only_the_history_their_template_depends_on():
+    import time
+
+    for family, history in (("qwen3", 0), ("deepseek-v3", 1)):
+        renderer = ToolTurnRenderer(family_tokenizer(family))
+        assert renderer.history_turns == history
+        earlier, start = [], time.perf_counter()
+        for turn in range(300):  # rendering every earlier turn each time took 3 s here, the event loop waiting
+            messages = [{"role": "tool", "content": f"ok {turn}", "tool_call_id": "c00000000"}]
+            renderer.increment_text(messages, earlier)
+            earlier.append(messages)
+        assert time.perf_counter() - start < 1, family
+
+
 def test_separator_is_the_text_after_the_end_of_turn_token(chatml_tokenizer):
     renderer = ToolTurnRenderer(chatml_tokenizer)
     assert renderer.increment_text([{"role": "tool", "content": "7"}]) == (
