@@ -67,8 +67,9 @@ def device_memory_bytes(config: Config) -> float | None:
 def run_shape(config: Config) -> RunShape:
     from reinforge.algorithms.roles import critic_enabled, reference_needed
 
-    on_gpu = config.trainer.device == "cuda" or config.trainer.gpu_memory_gib is not None or (
-        config.trainer.device == "auto" and torch.cuda.is_available())
+    # trainer.gpu_memory_gib names a GPU's size for device auto; a CPU run (trainer.device=cpu) it only caps
+    on_gpu = config.trainer.device == "cuda" or (
+        config.trainer.device == "auto" and (torch.cuda.is_available() or config.trainer.gpu_memory_gib is not None))
     dtype_bytes = 4 if config.model.dtype == "float32" or not on_gpu else 2
     mini_batch = config.actor.mini_batch_size or config.data.train_batch_size
     lora = getattr(config.model, "lora", None)

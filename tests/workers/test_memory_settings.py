@@ -205,3 +205,14 @@ def test_train_plans_for_the_card_where_trainer_gpu_memory_gib_asks_for_more(con
         plan = apply_memory_plan(config, log=False)
     assert plan.gpu_budget == 40 * GiB * HEADROOM and plan.fits
     assert "trainer.gpu_memory_gib=139 is more than the 40.0 GiB of this process's GPU" in caplog.text
+
+
+def test_a_cpu_run_with_a_memory_cap_is_planned_in_float32_and_eager_layers(config):
+    """trainer.gpu_memory_gib on a CPU run (trainer.device=cpu) planned it as a GPU's: bf16 and compiled layers' few
+    activations, a third of what the CPU's float32 eager layers keep."""
+    from reinforge.workers.memory_settings import run_shape
+
+    config.trainer.device, config.trainer.gpu_memory_gib = "cpu", 64.0
+    assert (run_shape(config).dtype_bytes, run_shape(config).eager) == (4, True)
+    config.trainer.device = "auto"  # no GPU here: the size names the card it plans for
+    assert (run_shape(config).dtype_bytes, run_shape(config).eager) == (2, False)
