@@ -249,6 +249,12 @@ class FunctionTool(BaseTool):
                                  ) from None
         super().__init__(config, schema)
         self.function = function
+        properties = (self.schema["function"].get("parameters") or {}).get("properties") or {}
+        problem = _binding_problem(function, (), dict.fromkeys(properties), partial=True)
+        if problem is not None:  # every call that used the schema's arguments would fail, each the model's "mistake"
+            name = getattr(function, "__qualname__", "the function")
+            raise ValueError(f"the tool schema of {name} names arguments {', '.join(map(repr, properties))}, but "
+                             f"{name}() {problem}; make the schema's properties the function's parameters")
 
     def kwargs_problem(self, create_kwargs: dict[str, Any], execute_kwargs: dict[str, Any]) -> str | None:
         """execute_kwargs reach the function itself, beside the model's arguments: each must be one of its

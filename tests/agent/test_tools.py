@@ -80,6 +80,14 @@ def test_a_tools_dict_is_shown_with_its_characters_and_numpy_values():
     assert as_tool_result(value).text == '{"n": 3, "xs": [0, 1], "city": "Z\u00fcrich", "at": "2026-01-02"}'
 
 
+def test_a_schema_naming_arguments_the_function_does_not_take_is_refused_when_loaded():
+    schema = {"type": "function", "function": {"name": "multiply", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}
+    with pytest.raises(ValueError, match=r"the tool schema of multiply names arguments 'x', 'y', but multiply\(\) cannot "
+                                         r"take keyword arguments \['x', 'y'\]"):
+        FunctionTool(multiply, schema=schema)  # every call failed as the model's mistake, no tool failure counted
+
+
 def test_function_without_docstring_is_explained():
     def bare(a: int) -> int:
         return a
