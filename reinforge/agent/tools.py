@@ -249,11 +249,12 @@ class FunctionTool(BaseTool):
                                  ) from None
         super().__init__(config, schema)
         self.function = function
-        properties = (self.schema["function"].get("parameters") or {}).get("properties") or {}
+        parameters = self.schema["function"].get("parameters") or {}
+        properties = [*(parameters.get("properties") or {}), *(parameters.get("required") or ())]
         problem = _binding_problem(function, (), dict.fromkeys(properties), partial=True)
         if problem is not None:  # every call that used the schema's arguments would fail, each the model's "mistake"
             name = getattr(function, "__qualname__", "the function")
-            raise ValueError(f"the tool schema of {name} names arguments {', '.join(map(repr, properties))}, but "
+            raise ValueError(f"the tool schema of {name} names arguments {', '.join(map(repr, dict.fromkeys(properties)))}, but "
                              f"{name}() {problem}; make the schema's properties the function's parameters")
 
     def kwargs_problem(self, create_kwargs: dict[str, Any], execute_kwargs: dict[str, Any]) -> str | None:
