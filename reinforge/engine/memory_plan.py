@@ -1420,8 +1420,10 @@ def _fits(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: fl
 
 
 def reward_model_params(shape: ModelShape) -> int:
-    """Parameters of a classification model of these sizes: the decoder, its embeddings and a one-output head."""
-    return shape.num_layers * shape.layer_params + shape.vocab_size * shape.hidden_size + 2 * shape.hidden_size
+    """Parameters of a classification model of these sizes: the decoder (a mixture of experts' dense layers as
+    dense), its embeddings and final norm, and a one-output head in place of the vocabulary's."""
+    untied_head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+    return shape.num_params - untied_head + shape.hidden_size
 
 
 def reward_phase(run: RunShape, settings: Settings, held: dict[str, float]) -> dict[str, float]:

@@ -811,3 +811,18 @@ def test_a_released_config_is_counted_with_the_defaults_transformers_builds_it_w
     assert shape.num_params == pytest.approx(language, rel=1e-3)
     if name == "gemma-3-1b":  # four full-attention layers of 26, the rest windowed
         assert layer_windows(with_family_defaults(config)).count(512) == 22
+
+
+def test_a_classification_model_of_a_mixture_of_experts_counts_its_dense_layers_as_dense():
+    """A reward model's (or a critic's) decoder was counted as every layer the largest, a mixture of experts' first
+    dense layers too: DeepSeek-V2-Lite's came to 16.0B parameters where it has 15.5B."""
+    from reinforge.engine.memory_plan import reward_model_params
+
+    lite = ModelShape.from_hf_config(dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+        q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False))
+    assert lite.num_dense_layers == 1
+    assert reward_model_params(lite) == lite.num_params - 102400 * 2048 + 2048
+    assert 15.4e9 < reward_model_params(lite) < 15.6e9
