@@ -112,14 +112,14 @@ class ToolAgentLoop(AgentLoop):
             created = [(name, future.result()) for name, future in instances.items()
                        if future.done() and not future.cancelled() and future.exception() is None]
             # a release that never returns must not hold the trajectory (and the rollout) for ever: it gets the
-            # tool timeout, as a call does, and is left behind past it
+            # tool timeout, as a call does, and is cancelled past it
             timeout = self.context.config.tool_timeout_s
             released = await asyncio.gather(*(asyncio.wait_for(_no_exit(self.context.tools[name].release(instance)),
                                                                 timeout) for name, instance in created),
                                             return_exceptions=True)
             for (name, _), error in zip(created, released, strict=True):
                 if isinstance(error, TimeoutError):
-                    logger.warning("tool %r: release did not return within %s s; left behind", name, timeout)
+                    logger.warning("tool %r: release did not return within %s s; cancelled", name, timeout)
                 elif isinstance(error, Exception):  # the trajectory stands; a leaking tool should still be seen
                     logger.warning("tool %r: release failed: %s: %s", name, type(error).__name__, error)
         return trajectory.output()
