@@ -18,9 +18,10 @@ as in verl 0.9.1:
   threshold list "0.3,0.8_1.25" gives each rule its own threshold, in order; one value serves
   every rule.
 
-The metrics follow verl's conventions: ``k3_kl`` averages rho - 1 - log rho over valid tokens
-with log rho unbounded, ``rollout_is_max`` at sequence level is the largest weight before
-truncation.
+The metrics follow verl's conventions and names: ``k3_kl`` averages rho - 1 - log rho over valid
+tokens with log rho unbounded, ``rollout_is_max`` at sequence level is the largest weight before
+truncation, ``rollout_is_ratio_fraction_{high,low}`` and ``rollout_is_seq_*`` are verl's, and
+``rollout_rs_<rule>_seq_masked_fraction`` counts the rows each rule touched.
 
 Bypass mode (old log-probs = rollout log-probs) corrects inside the loss instead, with the
 current log-probs: see ``bypass_policy_loss``.
@@ -156,6 +157,8 @@ def compute_rollout_correction(
     for rule, bounds in rules.items():
         rejected = compute_rejection(rule, log_ratio, valid, bounds)
         metrics[f"rollout_corr/rollout_rs_{rule}_masked_fraction"] = masked_mean(rejected.float(), valid).item()
+        metrics[f"rollout_corr/rollout_rs_{rule}_seq_masked_fraction"] = masked_mean(
+            rejected.any(dim=-1).float(), valid.any(dim=-1)).item()
         keep_mask &= ~rejected
     if rules:
         rejected = valid & ~keep_mask
@@ -287,4 +290,39 @@ def _weight_metrics(weights: Tensor, log_ratio: Tensor, valid: Tensor, level: st
     if bounds.lower is not None:
         outside = above | (raw_log_weights < math.log(bounds.lower))
         metrics["rollout_corr/rollout_is_oob_ratio"] = masked_mean(outside.float(), valid).item()
-    return metrics
+    return metrics | _verl_weight_fractions(weights, log_ratio, valid, level, bounds)
+
+
+def _verl_weight_fractions(weights: Tensor, log_ratio: Tensor, valid: Tensor, level: str,
+                           bounds: Bounds) -> dict[str, float]:
+    """verl's names for how the weights sit against the bounds, and its per-sequence statistics.
+
+    ``rollout_is_ratio_fraction_high``/``_low``: the raw weights (before truncation) above the upper bound and below
+    the lower one (1 / upper for a plain truncation threshold), over valid tokens, or over rows at sequence level.
+    ``rollout_is_seq_*``: each row's mean applied weight, over the rows; ``seq_fraction_*`` judge each row's mean
+    raw weight.
+    """
+    lower = bounds.lower if bounds.lower is not None else 1.0 / bounds.upper
+    log_upper, log_lower = math.log(bounds.upper), math.log(lower)
+    if level == "sequence":
+        row_log_weights = log_ratio.sum(dim=-1)
+        high = (row_log_weights > log_upper).float().mean().item()
+        low = (row_log_weights < log_lower).float().mean().item()
+        raw = torch.exp(row_log_weights.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)).unsqueeze(-1).expand_as(log_ratio)
+    else:
+        high = masked_mean((log_ratio > log_upper).float(), valid).item()
+        low = masked_mean((log_ratio < log_lower).float(), valid).item()
+        raw = torch.exp(log_ratio.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
+    raw_row_means = masked_mean(raw, valid, dim=-1)  # 0 for a row without tokens, as verl's
+    row_means = masked_mean(weights, valid, dim=-1)
+    return {
+        "rollout_corr/rollout_is_ratio_fraction_high": high,
+        "rollout_corr/rollout_is_ratio_fraction_low": low,
+        "rollout_corr/rollout_is_seq_mean": row_means.mean().item(),
+        "rollout_corr/rollout_is_seq_std": row_means.std().item() if row_means.numel() > 1 else 0.0,
+        "rollout_corr/rollout_is_seq_max": row_means.max().item(),
+        "rollout_corr/rollout_is_seq_min": row_means.min().item(),
+        "rollout_corr/rollout_is_seq_max_deviation": (row_means - 1.0).abs().max().item(),
+        "rollout_corr/rollout_is_seq_fraction_high": (raw_row_means > bounds.upper).float().mean().item(),
+        "rollout_corr/rollout_is_seq_fraction_low": (raw_row_means < lower).float().mean().item(),
+    }

@@ -161,3 +161,23 @@ def test_each_rule_can_have_its_own_threshold():
     torch.testing.assert_close(keep_mask, torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
     assert metrics["rollout_corr/rollout_rs_token_k2_masked_fraction"] == pytest.approx(1 / 5)
     assert metrics["rollout_corr/rollout_rs_seq_mean_k1_masked_fraction"] == pytest.approx(2 / 5)
+
+
+def test_verls_weight_metrics_are_reported_under_its_names():
+    """rollout_is_ratio_fraction_{high,low}, rollout_is_seq_* and each rule's rows (verl's dashboards read them)."""
+    _, _, metrics = correct(rollout_is="token", rollout_is_threshold=1.4, rollout_rs="token_k1",
+                            rollout_rs_threshold=2.5)
+    # raw weights [3, 0.5, 1 | 1.2, 1.2]: 3 above 1.4, 0.5 below 1 / 1.4; applied rows [1.4, 0.5, 1] and [1.2, 1.2]
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 5)
+    assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx((2.9 / 3 + 1.2) / 2, rel=1e-5)
+    assert metrics["rollout_corr/rollout_is_seq_max"] == pytest.approx(1.2, rel=1e-5)
+    assert metrics["rollout_corr/rollout_is_seq_min"] == pytest.approx(2.9 / 3, rel=1e-5)
+    assert metrics["rollout_corr/rollout_is_seq_std"] == pytest.approx((1.2 - 2.9 / 3) / math.sqrt(2), rel=1e-4)
+    assert metrics["rollout_corr/rollout_is_seq_max_deviation"] == pytest.approx(0.2, rel=1e-4)
+    assert metrics["rollout_corr/rollout_is_seq_fraction_high"] == 0.5  # raw row means 1.5 and 1.2
+    assert metrics["rollout_corr/rollout_is_seq_fraction_low"] == 0.0
+    assert metrics["rollout_corr/rollout_rs_token_k1_seq_masked_fraction"] == 0.5  # 1/3 < 1/2.5 in row 0 only
+    _, _, metrics = correct(rollout_is="sequence", rollout_is_threshold=1.4)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0  # row products 1.5 and 1.44
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0.0
