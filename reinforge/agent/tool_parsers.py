@@ -182,11 +182,11 @@ class Llama3JsonToolParser:
 @register_tool_parser("mistral")
 class MistralToolParser:
     """Mistral's calls: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}`` (v0.3, Nemo), or
-    ``[TOOL_CALLS]name[ARGS]{...}`` per call (Mistral Small 3.2 and later). Text after the marker that does not read
-    as calls is a malformed call."""
+    ``[TOOL_CALLS]name[ARGS]{...}`` per call (Mistral Small 3.2 and later), with ``[CALL_ID]id`` before ``[ARGS]`` in
+    the tokenizers that write the call's id. Text after the marker that does not read as calls is a malformed call."""
 
     opening = "[TOOL_CALLS]"
-    arguments_marker = "[ARGS]"
+    arguments_marker, call_id_marker = "[ARGS]", "[CALL_ID]"
     shape = '[TOOL_CALLS] [{"name": ..., "arguments": {...}}]'
 
     def parse(self, text: str) -> list[ToolCall]:
@@ -195,13 +195,15 @@ class MistralToolParser:
         for part in text.split(self.opening)[1:]:
             body = part.strip()
             if self.arguments_marker in body and not body.startswith("["):
-                name, _, arguments = body.partition(self.arguments_marker)
+                named, _, arguments = body.partition(self.arguments_marker)
+                name, _, identifier = (part.strip() for part in named.partition(self.call_id_marker))
                 values, problem = _json_values(arguments, ",")
                 if problem is not None or len(values) != 1:
-                    calls.append(ToolCall(name.strip(), error=f"Invalid JSON in arguments for {name.strip()!r}: "
-                                                              f"{problem or 'one JSON object expected'}"))
+                    calls.append(ToolCall(name, error=f"Invalid JSON in arguments for {name!r}: "
+                                                      f"{problem or 'one JSON object expected'}"))
                 else:
-                    calls.append(_call_of({"name": name.strip(), "arguments": values[0]}, ("arguments",), self.shape))
+                    calls.append(_call_of({"name": name, "arguments": values[0], "id": identifier or None},
+                                          ("arguments",), self.shape))
                 continue
             values, problem = _json_values(body, ",")
             listed = values[0] if len(values) == 1 and isinstance(values[0], list) else values

@@ -69,6 +69,7 @@ DEEPSEEK_END = "<｜tool▁calls▁end｜>"
     ("mistral", 'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": "{}"}]',
      [("a", {"x": 1}, None), ("b", {}, None)]),
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("mistral", '[TOOL_CALLS]a[CALL_ID]k3Jd9sA0q[ARGS]{"x": 1}', [("a", {"x": 1}, None)]),  # its id, not in its name
     ("mistral", "No call here.", []),
     ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": ', [("", {}, "Invalid JSON in tool call")]),
     ("mistral", "[TOOL_CALLS]a[ARGS]{bad", [("a", {}, "Invalid JSON in arguments for 'a'")]),
