@@ -118,7 +118,8 @@ class HermesToolParser:
         except JSON_ERRORS as error:
             return ToolCall("", error=f"Invalid JSON in tool call: {json_problem(error)}; "
                                       'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
-        return _call_of(call, ("arguments",), '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+        # "parameters" (Llama's key, which models trained on both write here too) rather than run the call without them
+        return _call_of(call, ("arguments", "parameters"), '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
 
 
 def _call_of(call: Any, argument_keys: tuple[str, ...], shape: str) -> ToolCall:

@@ -14,6 +14,9 @@ def test_reads_calls_in_order_with_object_or_string_arguments():
     calls = get_tool_parser("hermes").parse(text)
     assert [(call.name, call.arguments, call.error) for call in calls] == [
         ("calculator", {"expression": "12*34"}, None), ("lookup", {"key": "a"}, None)]
+    # Llama's "parameters" key: the call ran without its arguments
+    assert get_tool_parser("hermes").parse('<tool_call>{"name": "c", "parameters": {"x": 1}}</tool_call>')[0].arguments \
+        == {"x": 1}
 
 
 def test_calls_are_read_after_the_reasoning_not_in_it():
