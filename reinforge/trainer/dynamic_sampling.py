@@ -27,11 +27,17 @@ import torch
 from reinforge.config.schema import FILTER_METRICS, FilterGroupsConfig
 from reinforge.engine.forward import build_position_ids
 from reinforge.protocol import Batch
+from reinforge.rollout.native.counters import combine_spans
 from reinforge.trainer.run_loop import DataExhausted
 
 PROMPT_COLUMNS = ("prompts",)
 """Tensors left-padded to the prompt width."""
 logger = logging.getLogger(__name__)
+
+ENGINE_METRICS = ("rollout/", "timing_s/gen/")
+"""The rollout metrics that count a generation's work (the engine's counters, the phases of its call): a step's
+are summed over its generation batches (``combine_spans``). The others (an agent loop's per-trajectory figures)
+are the first batch's."""
 
 UNLIMITED_WARNING_FIRST = 10
 """With max_num_gen_batches=0 (no limit), a step warns after this many generation batches, then at each doubling."""
@@ -131,8 +137,10 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
                         pad_token_id: int) -> tuple[Batch, dict[str, float]]:
     """Generate and score batches of prompts (``first``, then ``next_prompts()``) until ``num_groups``
     groups pass the filter; returns the rows of the first ``num_groups`` kept groups and the metrics ``train/num_gen_batches``, ``train/kept_group_fraction`` and ``train/num_kept_groups``.
+    The rows' meta has the reward counts and the engine's rollout metrics of every generation batch.
     """
     kept: list[Batch] = []
+    engine_spans: list[dict[str, float]] = []
     reward_metrics: dict[str, float] = {}
     num_kept = num_generated = num_gen_batches = num_samples = 0
     prompts = first
@@ -145,6 +153,8 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
         for key, value in scored.meta.get("reward_metrics", {}).items():
             reward_metrics[key] = reward_metrics.get(key, 0.0) + value
         num_samples += len(scored)
+        engine_spans.append({key: value for key, value in scored.meta.get("rollout_metrics", {}).items()
+                             if key.startswith(ENGINE_METRICS)})
         kept.append(scored.index(rows))
         if num_kept >= num_groups:
             break
@@ -170,6 +180,8 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
     if "reward/overlong/count" in reward_metrics:  # over every sample generated, like the counts
         reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(num_samples, 1)
     merged.meta["reward_metrics"] = reward_metrics
+    # the engine's counts and phases over every generation batch (the first batch's meta came with the rows)
+    merged.meta["rollout_metrics"] = dict(merged.meta.get("rollout_metrics", {})) | combine_spans(engine_spans)
     metrics = {"train/num_gen_batches": float(num_gen_batches), "train/num_kept_groups": float(num_kept),
                "train/kept_group_fraction": num_kept / max(num_generated, 1)}
     return merged, metrics

@@ -143,3 +143,21 @@ def test_data_running_out_inside_a_step_says_what_the_step_had_kept_and_keeps_th
                                 "data.train_batch_size=2 prompt groups it needs (its 1 generation batch(es) are "
                                 "dropped)")
     assert error.value.fix == "add data"
+
+
+def test_the_engines_rollout_metrics_cover_every_generation_batch_of_the_step():
+    """They were the first generation batch's alone, beside a timing_s/gen of them all."""
+    first, second = scored_batch({"a": [1, 1]}, 2), scored_batch({"b": [0, 1]}, 2)
+    first.meta["rollout_metrics"] = {"rollout/num_generated_tokens": 12.0, "rollout/time_s": 1.0,
+                                     "rollout/tokens_per_s": 12.0, "rollout/kv_blocks_used_peak": 5.0,
+                                     "timing_s/gen/engine": 1.0, "num_turns/mean": 2.0}
+    second.meta["rollout_metrics"] = {"rollout/num_generated_tokens": 4.0, "rollout/time_s": 1.0,
+                                      "rollout/tokens_per_s": 4.0, "rollout/kv_blocks_used_peak": 3.0,
+                                      "timing_s/gen/engine": 0.5, "num_turns/mean": 3.0}
+    batch, metrics = collect_kept_groups(first, lambda: second, lambda prompts: prompts,
+                                         FilterGroupsConfig(enable=True, metric="score"), num_groups=1,
+                                         pad_token_id=PAD)
+    assert metrics["train/num_gen_batches"] == 2.0
+    assert batch.meta["rollout_metrics"] == {"rollout/num_generated_tokens": 16.0, "rollout/time_s": 2.0,
+                                             "rollout/tokens_per_s": 8.0, "rollout/kv_blocks_used_peak": 5.0,
+                                             "timing_s/gen/engine": 1.5, "num_turns/mean": 2.0}
