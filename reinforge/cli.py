@@ -179,9 +179,14 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
                               f"prompt, more than data.max_prompt_length={config.data.max_prompt_length}; raise "
                               "max_prompt_length to hold the image and its text")
         config.data.max_image_tokens = image_tokens
-    from reinforge.trainer.preflight import check_config
+    import dataclasses
+
+    from reinforge.trainer.preflight import check_batch_splits, check_config, check_devices
 
     check_config(config)  # the rules of reinforge train, except the device checks of preflight
+    # train's refusals of the devices the run asks for, except whether this machine has the planned card
+    check_devices(dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, device="cpu")))
+    check_batch_splits(config)
     from reinforge.trainer.ineffective_settings import warn_ineffective_settings
 
     warn_ineffective_settings(config)  # as train warns of them, before the plan

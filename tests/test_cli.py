@@ -112,6 +112,16 @@ def test_plan_warns_as_train_does_where_the_native_engine_will_not_run(tmp_path,
     assert "rollout.free_cache_engine            True       (fixed)" in capsys.readouterr().out
 
 
+def test_plan_refuses_the_devices_train_refuses(capsys):
+    """Several devices on the local backend, and samples that do not split over Ray's members: train refused both,
+    plan said they fit."""
+    plan = ["plan", "--model", "0.5b", "--gpu-memory-gib", "80", "--host-memory-gib", "100", "trainer.device=cuda"]
+    assert main([*plan, "trainer.devices_per_node=2"]) == 2
+    assert capsys.readouterr().err.startswith("error: trainer.backend=local runs every worker in this process on one")
+    assert main([*plan, "trainer.devices_per_node=8", "trainer.backend=ray", "--prompts", "3", "--n", "3"]) == 2
+    assert "9 samples do not split evenly over the 8 members" in capsys.readouterr().err
+
+
 def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
     assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
     assert capsys.readouterr().err.strip() == (
