@@ -134,7 +134,7 @@ class ToolTurnRenderer:
         conversation's template writes at that place. Only as many earlier turns as the template's rendering of a
         tool turn depends on are rendered (``history_turns``): all of them each time would take seconds over a
         trajectory of hundreds of short turns, the event loop waiting."""
-        kept = self.history_turns
+        kept = self.history_turns if earlier else 0
         earlier = () if kept == 0 else earlier if kept is None else earlier[-kept:]
         return self._increment_text(tool_messages, earlier)
 
