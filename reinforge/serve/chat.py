@@ -147,6 +147,23 @@ class ChatSession:
         return None
 
 
+def _turn_fields(message: dict[str, Any]) -> dict[str, Any]:
+    return {key: message[key] for key in ("role", "content", "tool_call_id") if key in message}
+
+
+def _tool_turns(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The tool turns of a conversation, in order: each run of consecutive tool messages, as an increment reads them."""
+    turns: list[list[dict[str, Any]]] = []
+    previous = None
+    for message in messages:
+        if message.get("role") == "tool":
+            if previous != "tool":
+                turns.append([])
+            turns[-1].append(_turn_fields(message))
+        previous = message.get("role")
+    return turns
+
+
 class ChatCodec:
     """Messages to prompt ids, and sampled ids to an assistant message, for one tokenizer and chat template."""
 
@@ -188,10 +205,9 @@ class ChatCodec:
         stopped before it (as ``tool_agent`` closes such a turn; not after a token the template writes itself to
         end a turn, Llama 3.1's ``<|eom_id|>``), then the template's increment."""
         closing = self.renderer.closing_ids(record.token_ids, record.finish_reason)
-        turns = [{key: message[key] for key in ("role", "content", "tool_call_id") if key in message}
-                 for message in new_messages]
-        try:
-            return closing + self.renderer.increment(turns)
+        turns = [_turn_fields(message) for message in new_messages]
+        try:  # the conversation's earlier tool turns: a template may write a later one otherwise (DeepSeek-V3's)
+            return closing + self.renderer.increment(turns, _tool_turns(record.messages))
         except Exception as error:  # the template's raise_exception (a tool result's call id it does not take)
             raise RequestError(template_error_message(error, "these messages", "--chat-template FILE")) from None
 

@@ -100,3 +100,26 @@ def test_a_call_the_model_ended_with_a_token_its_template_writes_continues_witho
     increment = codec.renderer.increment(tool_turn)
     assert codec.increment(record([1, 2], [5, 6, eom]), tool_turn) == increment
     assert codec.increment(record([1, 2], [5, 6]), tool_turn) == [eot, *increment]
+
+
+def test_a_later_tool_turn_of_a_served_conversation_is_written_as_its_template_writes_it_there():
+    """DeepSeek-V3's template opens only a conversation's first tool outputs with <｜tool▁outputs▁begin｜>; the
+    endpoint rendered every continued tool turn as a first one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "agent"))
+    from family_templates import family_tokenizer
+
+    tokenizer = family_tokenizer("deepseek-v3")
+    codec = ChatCodec(tokenizer, tool_format="deepseek_v3")
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "calc", "arguments": "{}"}, "id": "a"}]}
+    earlier = [{"role": "user", "content": "x"}, call, {"role": "tool", "content": "1", "tool_call_id": "a"}, call]
+    end = tokenizer.convert_tokens_to_ids("<｜end▁of▁sentence｜>")
+    second = CallRecord(earlier, None, [1, 2], [3, end], [-0.5] * 2, "stop", {"role": "assistant", "content": ""})
+    tool_turn = [{"role": "tool", "content": "2", "tool_call_id": "a"}]
+    opening = tokenizer.convert_tokens_to_ids("<｜tool▁outputs▁begin｜>")
+    assert opening in codec.renderer.increment(tool_turn)  # a conversation's first tool turn opens them
+    assert opening not in codec.increment(second, tool_turn)
+    assert codec.increment(second, tool_turn) == codec.renderer.increment(tool_turn, [[tool_turn[0] | {"content": "1"}]])
