@@ -192,9 +192,18 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     warn_ineffective_settings(config)  # as train warns of them, before the plan
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
-    from reinforge.engine.memory_plan import check_model_config
+    from reinforge.engine.memory_plan import ModelShape, check_model_config
 
     check_model_config(config.model.path)  # a config.json train refuses before its model loads, plan refuses too
+    from reinforge.trainer.preflight import check_router_aux_loss_has_experts
+
+    check_router_aux_loss_has_experts("actor.router_aux_loss_coef", config.actor.router_aux_loss_coef, config.model)
+    from reinforge.algorithms.roles import critic_enabled
+
+    if critic_enabled(config) and ModelShape.from_model_path(config.model.path).vision is not None:  # as train refuses
+        raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} trains a critic, and "
+                          f"{config.model.path} is a vision-language model, whose critic reinforge does not build; "
+                          "use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
 
     import torch
 

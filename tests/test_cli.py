@@ -122,6 +122,15 @@ def test_plan_refuses_the_devices_train_refuses(capsys):
     assert "9 samples do not split evenly over the 8 members" in capsys.readouterr().err
 
 
+def test_plan_refuses_what_train_refuses_of_the_model_before_it_loads(capsys):
+    """A router aux loss on a model without experts, and a critic for a vision-language model: plan said they fit."""
+    plan = ["plan", "--gpu-memory-gib", "80", "--host-memory-gib", "200"]
+    assert main([*plan, "--model", "0.5b", "actor.router_aux_loss_coef=0.01"]) == 2
+    assert "is a 'qwen2' model without experts, which has no router to balance" in capsys.readouterr().err
+    assert main([*plan, "--model", "qwen2.5-vl-3b", "algorithm.adv_estimator=gae"]) == 2
+    assert "is a vision-language model, whose critic reinforge does not build" in capsys.readouterr().err
+
+
 def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
     assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
     assert capsys.readouterr().err.strip() == (
