@@ -37,6 +37,7 @@ from reinforge.data.chat_template import (
     ASSISTANT_TURN,
     apply_chat_template,
     assistant_turn_text,
+    chat_template_text,
     end_of_turn_token,
 )
 
@@ -65,7 +66,7 @@ class ToolTurnRenderer:
     def __init__(self, tokenizer: Any, chat_template: str | None = None, eos_text: str | None = None,
                  check_tool_turns: bool = True):
         self.tokenizer = tokenizer
-        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.chat_template = chat_template_text(tokenizer, chat_template, tools=True)
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template to render tool turns with; set data.chat_template")
         after = assistant_turn_text(tokenizer, self.chat_template)[1]

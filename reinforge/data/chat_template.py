@@ -35,6 +35,22 @@ def apply_chat_template(tokenizer: Any, messages: Messages, **kwargs: Any) -> An
             raise error from None
 
 
+def chat_template_text(tokenizer: Any, chat_template: str | None = None, tools: bool = False) -> str | None:
+    """The template to render with: ``chat_template`` when given, else the tokenizer's. A tokenizer that ships named
+    templates (a dict, as Hermes-2-Pro's and Command-R's) gives its ``tool_use`` one where tools are rendered and
+    it has one, else its ``default``, as transformers picks them; None where it has no template."""
+    if chat_template:
+        return chat_template
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, dict):
+        return template
+    name = "tool_use" if tools and "tool_use" in template else "default"
+    if name not in template:
+        raise ValueError(f"the tokenizer's chat templates are named {', '.join(map(repr, template))}, none of them "
+                         "'default'; set data.chat_template to the one to use")
+    return template[name]
+
+
 def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | None = None,
                   tools: list[dict[str, Any]] | None = None) -> str:
     """The text the model sees for ``prompt``, with the assistant turn opened; a prompt that ends with an assistant
@@ -44,7 +60,7 @@ def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | N
     template, which shows them to the model as it was trained to see them.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+    template = chat_template_text(tokenizer, chat_template, bool(tools))
     if not template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(f"tokenizer {name!r} has no chat template; set data.chat_template to a Jinja template, "
@@ -112,7 +128,7 @@ def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -
     """The id of the token the chat template closes an assistant turn with (Gemma's <end_of_turn>, Llama 3's
     <|eot_id|>, Phi-3's <|end|>, ChatML's <|im_end|>), or () where there is no template, it cannot render a turn, or
     it closes one with plain text."""
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+    template = chat_template_text(tokenizer, chat_template)
     if not template:
         return ()
     try:
@@ -126,7 +142,7 @@ def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -
 def after_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> tuple[int, tuple[int, ...]] | None:
     """(the id of the token the chat template closes an assistant turn with, the ids of the text it writes after that
     token: ChatML's and Gemma's newline), or None where there is no such token or nothing follows it (Llama 3)."""
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+    template = chat_template_text(tokenizer, chat_template)
     end_ids = template_end_of_turn_ids(tokenizer, template)
     if not end_ids:
         return None

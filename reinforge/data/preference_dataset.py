@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.data.chat_template import apply_chat_template, row_tools, template_error_message
+from reinforge.data.chat_template import apply_chat_template, chat_template_text, row_tools, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import image_column, row_image_sources
 from reinforge.data.prompt_loader import epoch_order
@@ -194,7 +194,7 @@ def _tokenized_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, t
     chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     margin = float(row.get(keys.margin) or 0.0)
     if _is_messages(chosen):
-        template = template or getattr(tokenizer, "chat_template", None)
+        template = chat_template_text(tokenizer, template)
         if not template:
             raise ValueError("the pairs are chat messages and the tokenizer has no chat template; set "
                              "data.chat_template to a Jinja template")

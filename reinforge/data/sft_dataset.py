@@ -69,6 +69,7 @@ from torch import Tensor
 
 from reinforge.data.chat_template import (
     apply_chat_template,
+    chat_template_text,
     row_tools,
     template_end_of_turn_ids,
     template_error_message,
@@ -280,7 +281,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
     function schemas) are rendered by the template as the model will see them when it calls tools. The first
     ``num_prompt_messages`` messages are a prompt/completion row's prompt: their assistant turns are not trained."""
-    template = template or getattr(tokenizer, "chat_template", None)
+    template = chat_template_text(tokenizer, template, bool(tools))
     if not template:
         raise ValueError("the tokenizer has no chat template; set data.chat_template to a Jinja template")
     if messages[0]["role"] in TRAINED_ROLES:  # nothing renders before it, and it would be trained on no prompt

@@ -22,7 +22,7 @@ from typing import Any
 from reinforge.agent.tool_agent import CALL_ID_CHARS, call_id
 from reinforge.agent.tool_parsers import ToolCall, get_tool_parser, reasoning_end
 from reinforge.agent.turn_tokens import ToolMessagesDropped, ToolTurnRenderer
-from reinforge.data.chat_template import template_error_message
+from reinforge.data.chat_template import chat_template_text, template_error_message
 from reinforge.rollout.stop_strings import cut_at_stop
 
 
@@ -169,7 +169,7 @@ class ChatCodec:
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None, tool_format: str = "hermes"):
         self.tokenizer = tokenizer
-        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.chat_template = chat_template_text(tokenizer, chat_template, tools=True)
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template, so chat messages cannot be rendered; serve a model "
                              "whose tokenizer_config.json has one or pass --chat-template FILE")

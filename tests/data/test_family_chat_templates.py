@@ -212,3 +212,26 @@ def test_a_tool_call_turn_with_null_content_renders_as_with_empty_content():
     assert tokenizer.decode(example.input_ids) == expected
     assert tokenize_conversation(tokenizer, chat("")).loss_mask == example.loss_mask
     assert render_prompt(tokenizer, chat(None)[:3]) == render_prompt(tokenizer, chat("")[:3])
+
+
+def test_a_tokenizer_with_named_templates_renders_with_its_default_or_with_its_tool_use_one_for_tools():
+    """Hermes-2-Pro and Command-R ship a dict of templates; rendering passed the dict on and failed with
+    'unhashable type: dict'."""
+    from reinforge.agent.turn_tokens import ToolTurnRenderer
+    from reinforge.data.chat_template import render_prompt
+
+    tokenizer = family_template_tokenizer("qwen3")
+    tool_use = tokenizer.chat_template
+    default = "[default]" + tool_use
+    tokenizer.chat_template = {"default": default, "tool_use": tool_use}
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+    assert render_prompt(tokenizer, messages).startswith("[default]<|im_start|>user")
+    assert render_prompt(tokenizer, messages, tools=tools).startswith("<|im_start|>system")
+    assert ToolTurnRenderer(tokenizer).chat_template == tool_use
+    example = tokenize_conversation(tokenizer, [*messages, {"role": "assistant", "content": "ok"}])
+    assert "[default]" in tokenizer.decode(example.input_ids)
+    tokenizer.chat_template = {"chatml": tool_use}
+    with pytest.raises(ValueError, match=r"^the tokenizer's chat templates are named 'chatml', none of them "
+                                         r"'default'; set data.chat_template"):
+        render_prompt(tokenizer, messages)
