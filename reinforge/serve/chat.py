@@ -169,7 +169,11 @@ class ChatCodec:
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None, tool_format: str = "hermes"):
         self.tokenizer = tokenizer
-        self.chat_template = chat_template_text(tokenizer, chat_template, tools=True)
+        self.chat_template = chat_template_text(tokenizer, chat_template, tools=True)  # a tool turn's increments
+        try:  # a request without tools, where the tokenizer names its templates
+            self.plain_template = chat_template_text(tokenizer, chat_template)
+        except ValueError:  # no default among them: the tool one renders every request
+            self.plain_template = self.chat_template
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template, so chat messages cannot be rendered; serve a model "
                              "whose tokenizer_config.json has one or pass --chat-template FILE")
@@ -194,7 +198,8 @@ class ChatCodec:
                                "and the model would not see their content; send the tool's output in a user message, "
                                "or serve with --chat-template FILE whose template has one")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
+            template = self.chat_template if tools else self.plain_template
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=template,
                                                      add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as error:  # jinja2's TemplateError from the template's raise_exception, or odd content
             raise RequestError(template_error_message(error, "these messages", "--chat-template FILE")) from None
