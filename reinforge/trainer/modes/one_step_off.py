@@ -128,6 +128,12 @@ class OneStepOffMode:
         self.version, self.drawn = state["version"], state["drawn"]
         pending = state.get("pending")
         if pending is not None:
+            width = pending["generated"]["responses"].shape[1]
+            if width > self.calls.sampling.max_tokens:
+                raise ValueError(f"data.max_response_length={self.calls.sampling.max_tokens} but the checkpoint's "
+                                 f"batch generated ahead has responses of up to {width} tokens (trainer.mode="
+                                 "one_step_off trains it next); resume with the checkpoint's data.max_response_length, "
+                                 "or start a new run (trainer.resume=never)")
             generated: Future = Future()
             generated.set_result(pending["generated"])
             self._pending = (pending["batch"], generated, pending["version"], time.perf_counter())

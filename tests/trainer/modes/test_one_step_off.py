@@ -121,3 +121,23 @@ def test_a_generation_ahead_that_does_not_end_within_the_stops_wait_is_abandoned
     assert stop_signals.stopped_message() == (
         "stopped by SIGTERM: the run keeps its latest checkpoint (the generation under way did not end within 0.05 s "
         "and was abandoned; nothing of it is saved); run the same command to resume (a second Ctrl-C exits at once)")
+
+
+def test_a_lowered_max_response_length_is_refused_when_the_batch_generated_ahead_is_longer():
+    """The checkpoint's batch generated ahead is trained as it is: with a lower limit it trained longer responses."""
+    from reinforge.protocol import Batch
+    from reinforge.rollout.base import SamplingParams
+    from reinforge.trainer.modes.one_step_off import OneStepOffMode
+    from reinforge.trainer.modes.trainer_calls import TrainerCalls
+
+    def calls(max_tokens: int) -> TrainerCalls:
+        return TrainerCalls(next_prompts=None, generate=None, score=None, compute_log_prob=None, train_on_batch=None,
+                            sync_rollout_weights=None, trained_steps=None, sampling=SamplingParams(max_tokens=max_tokens),
+                            pad_token_id=0, run_dir=None)
+
+    generated = Batch.from_dict(tensors={"responses": torch.zeros(2, 8, dtype=torch.long)})
+    state = {"version": 1, "drawn": 2, "pending": {"batch": None, "generated": generated, "version": 0}}
+    OneStepOffMode(None, calls(8)).load_state_dict(state, 1)
+    with pytest.raises(ValueError, match=r"^data.max_response_length=4 but the checkpoint's batch generated ahead has "
+                                         r"responses of up to 8 tokens"):
+        OneStepOffMode(None, calls(4)).load_state_dict(state, 1)
