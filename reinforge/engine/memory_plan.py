@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1408,11 +1409,29 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
             options.insert(0, ("rollout.gpu_memory_utilization=null (the planner sizes the KV cache)",
                                dataclasses.replace(run, kv_cache_fraction=0.0)))
         fixes = [text for text, option in options if option != run and _fits(shape, option, given, gpu_bytes, host_bytes)]
+        if run.native_engine and not run.kv_cache_fraction and "kv_cache_gib" not in given:
+            smaller = _smaller_kv_cache(shape, run, given, gpu_bytes, host_bytes)
+            if smaller:  # after the fp8 cache, which keeps every sequence running at once
+                fixes.insert(1 if fixes else 0, smaller)
         roomy = _search(shape, run, given, gpu_bytes, 64 * max(host_bytes, GiB))[0]
         if roomy is not None and roomy.host_total > host_bytes * HEADROOM:  # it fits on this device with more host memory
             fixes.insert(0, f"{-(-roomy.host_total // (HEADROOM * GiB)):.0f} GiB of host memory")
     advice = " or ".join(fixes[:3]) if fixes else "a larger device or a smaller model"
     return f"the run does not fit: it {where}; it would fit with {advice}"
+
+
+def _smaller_kv_cache(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float,
+                      host_bytes: float) -> str | None:
+    """A rollout.kv_cache_gib below the plan's own choices (an eighth of the step's sequences at full length, at
+    least) with which the run fits, as a refusal's fix: the largest such cache that holds one sequence; None if none."""
+    concurrency = rollout_concurrency(run.sequences, run.num_devices)
+    factor = 16
+    while factor <= concurrency:
+        size = math.ceil(needed_kv_gib(shape, run, factor) * 100) / 100
+        if _fits(shape, run, {**given, "kv_cache_gib": size}, gpu_bytes, host_bytes):
+            return f"rollout.kv_cache_gib={size:g} (1/{factor} of a step's sequences at once)"
+        factor *= 2
+    return None
 
 
 def _fits(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float, host_bytes: float) -> bool:

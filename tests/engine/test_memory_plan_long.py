@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -142,3 +143,21 @@ def test_a_refused_long_plan_names_the_fp8_kv_cache_where_it_would_fit(capsys):
                  "--host-memory-gib", "1000", "trainer.device=cuda", "rollout.name=hf"]) == 2
     error = capsys.readouterr().err
     assert "would fit with data.max_response_length=32768" in error and "kv_cache_dtype" not in error
+
+
+def test_a_refusal_names_a_smaller_kv_cache_that_would_fit_and_that_cache_fits():
+    """Mistral-7B's standard step on 24 GiB fits with a cache of a sixteenth of its sequences, below the eighth the
+    planner goes down to; the refusal named only other workloads and the fp8 cache."""
+    from reinforge.engine.memory_plan import GiB, MemoryPlanError, ModelShape, RunShape, plan_memory
+
+    mistral = ModelShape.from_hf_config(dict(
+        model_type="mistral", vocab_size=32768, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False))
+    run = RunShape(prompts=64, samples_per_prompt=8, prompt_length=128, response_length=512)
+    # what the plan takes there anyway, fixed as the run fixes a setting: fewer combinations to search
+    fixed = dict(keep_rollout_memory=False, optimizer_offload=True, param_offload=True, ref_offload=False)
+    with pytest.raises(MemoryPlanError) as refusal:
+        plan_memory(mistral, run, fixed, 24 * GiB, 128 * GiB, frozenset(fixed))
+    size = float(re.search(r"rollout.kv_cache_gib=([\d.]+) \(1/16 of a step's sequences at once\)",
+                           str(refusal.value)).group(1))
+    assert plan_memory(mistral, run, {**fixed, "kv_cache_gib": size}, 24 * GiB, 128 * GiB).fits
