@@ -41,6 +41,7 @@ import torch
 
 from reinforge.data.chat_template import apply_chat_template, chat_template_text, row_tools, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
+from reinforge.data.loader_state import check_resumed_counts
 from reinforge.data.multimodal import image_column, row_image_sources
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
@@ -381,12 +382,6 @@ class PairLoader:
                 "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if "num_pairs" in state and state["num_pairs"] != len(self.pairs):
-            raise ValueError(f"the checkpoint's data had {state['num_pairs']} pairs but this run's has "
-                             f"{len(self.pairs)}: the data files changed since, so resuming would not continue the "
-                             "same epoch; restore them, or start a new run (trainer.resume=never)")
-        if "batch_size" in state and state["batch_size"] != self.batch_size:
-            raise ValueError(f"the checkpoint's data loader had batch_size={state['batch_size']} but this run has "
-                             f"{self.batch_size}; restore data.batch_size, or start a new run (trainer.resume=never)")
+        check_resumed_counts(state, "num_pairs", len(self.pairs), "data had {} pairs", self.batch_size)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._peeked = None

@@ -75,6 +75,7 @@ from reinforge.data.chat_template import (
     template_error_message,
 )
 from reinforge.data.files import as_list, expand_data_files, read_rows
+from reinforge.data.loader_state import check_resumed_counts
 from reinforge.data.multimodal import (
     check_image_count,
     check_image_places,
@@ -655,11 +656,6 @@ class SFTLoader:
                 "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if "num_rows" in state and state["num_rows"] != len(self.rows):
-            raise ValueError(f"the checkpoint's SFT data had {state['num_rows']} rows (conversations, or packed rows) "
-                             f"but this run's has {len(self.rows)}: the data files changed since, so resuming would "
-                             "not continue the same epoch; restore them, or start a new run (trainer.resume=never)")
-        if "batch_size" in state and state["batch_size"] != self.batch_size:
-            raise ValueError(f"the checkpoint's data loader had batch_size={state['batch_size']} but this run has "
-                             f"{self.batch_size}; restore data.batch_size, or start a new run (trainer.resume=never)")
+        check_resumed_counts(state, "num_rows", len(self.rows),
+                             "SFT data had {} rows (conversations, or packed rows)", self.batch_size)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

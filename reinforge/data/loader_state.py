@@ -1,0 +1,19 @@
+"""A resumed data loader's check that its checkpoint was written over the same data and batch size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_resumed_counts(state: dict[str, Any], count_key: str, count: int, counted: str, batch_size: int) -> None:
+    """ValueError when ``state`` (a loader's ``state_dict`` from a checkpoint) counted another number of items under
+    ``count_key`` than ``count`` (``counted``: what the checkpoint's data had, e.g. "data had 12 pairs"), or another
+    batch size: the same position would then not continue the same epoch. A state without the counts (an older
+    checkpoint) passes."""
+    if count_key in state and state[count_key] != count:
+        raise ValueError(f"the checkpoint's {counted.format(state[count_key])} but this run's has {count}: the data "
+                         "files changed since, so resuming would not continue the same epoch; restore them, or start "
+                         "a new run (trainer.resume=never)")
+    if "batch_size" in state and state["batch_size"] != batch_size:
+        raise ValueError(f"the checkpoint's data loader had batch_size={state['batch_size']} but this run has "
+                         f"{batch_size}; restore data.batch_size, or start a new run (trainer.resume=never)")
