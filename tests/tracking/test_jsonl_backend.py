@@ -25,29 +25,19 @@ def test_a_full_disk_names_the_log_file():
                                  "and run the same command to resume")
 
 
-def test_a_quota_exceeded_names_the_log_file_as_a_full_disk_does():
-    class OverQuota(io.StringIO):
+@pytest.mark.parametrize("code, reason, message", [
+    (errno.EDQUOT, "Disk quota exceeded", "disk quota exceeded while writing /runs/x/metrics.jsonl; free space there "
+                                          "and run the same command to resume"),
+    (errno.EROFS, "Read-only file system", "cannot write /runs/x/metrics.jsonl (a log line): Read-only file system; "
+                                           "set trainer.output_dir to a folder this user can write"),
+])
+def test_a_quota_exceeded_or_another_write_error_names_the_log_file(code, reason, message):
+    class Failing(io.StringIO):
         name = "/runs/x/metrics.jsonl"
 
         def flush(self) -> None:
-            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+            raise OSError(code, reason)
 
     with pytest.raises(OSError) as raised:
-        append_json_line(OverQuota(), {"step": 1})
-    assert raised.value.errno == errno.EDQUOT
-    assert str(raised.value) == ("disk quota exceeded while writing /runs/x/metrics.jsonl; free space there and run "
-                                 "the same command to resume")
-
-
-def test_other_write_errors_name_the_log_file_too():
-    class ReadOnly(io.StringIO):
-        name = "/runs/x/metrics.jsonl"
-
-        def flush(self) -> None:
-            raise OSError(errno.EROFS, "Read-only file system")
-
-    with pytest.raises(OSError) as raised:
-        append_json_line(ReadOnly(), {"step": 1})
-    assert raised.value.errno == errno.EROFS
-    assert str(raised.value) == ("cannot write /runs/x/metrics.jsonl (a log line): Read-only file system; set "
-                                 "trainer.output_dir to a folder this user can write")
+        append_json_line(Failing(), {"step": 1})
+    assert raised.value.errno == code and str(raised.value) == message
