@@ -15,7 +15,9 @@ devices of a role). Phases:
 - ``update``: master weights, gradients, optimizer state, the gathered parameters of the root
   and two decoder layers, the activations of one micro-batch (with checkpointed layers keeping
   only their input), the logits kept for the backward (or one chunk of them) and the output projection's
-  weight gradient made beside them, plus the engine's memory when it stays allocated between rollouts.
+  weight gradient made beside them, plus the engine's memory when it stays allocated between rollouts;
+- ``critic update`` (with a critic): what stays allocated, and the critic's gathered parameters and activations, of
+  its own model's widths (``critic_phase``); ``reward`` and ``judge`` likewise for a reward model and a judge.
 
 A vision-language model's tower is counted apart (``VisionShape``, ``add_vision_tower``): its weights, the
 engine's copy, the activations of its patches, and its gradients and optimizer state when it trains. A multimodal
@@ -797,6 +799,8 @@ class RunShape:
     critic_model: ModelShape | None = None
     """The critic's own model (critic.model_path) where it is not the policy's; its backbone and value head train in
     float32 with AdamW, 16 bytes a parameter."""
+    critic_tokens: int = 0
+    """The critic's micro-batch budget (critic.max_tokens_per_micro_batch); 0: the actor's."""
     critic_offload: str = ""
     """Where the critic keeps its state off the device: "" (nowhere), "optimizer" (critic.optimizer_offload: the
     moments and a float32 master copy) or "param" (critic.param_offload: parameters, gradients and moments)."""
@@ -1160,6 +1164,9 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings,
             if "kv cache" in phase:
                 phase["kv cache"] = kv_cache
     kept = {name: update[name] for name in ("rollout weight copy", "vision tower copy", "kv cache") if name in update}
+    if run.critic:  # the rollout generates beside it in the off-policy modes, as beside the actor's update
+        phases["critic update"] = critic_phase(shape, run, settings, resident | kept | (
+            {"rollout activations": update["rollout activations"]} if run.off_policy else {}))
     if run.reward_model is not None:
         phases["reward"] = reward_phase(run, settings, resident | kept)
     if run.judge is not None:
@@ -1460,6 +1467,24 @@ def reward_phase(run: RunShape, settings: Settings, held: dict[str, float]) -> d
     kv_width = 2 * shape.num_kv_heads * shape.head_dim
     per_token = dtype_bytes * (6 * shape.hidden_size + kv_width + 3 * shape.active_intermediate_size)
     phase["reward model activations"] = tokens * per_token * (EAGER_ACTIVATION_FACTOR if run.eager else 1.0)
+    return phase
+
+
+def critic_phase(shape: ModelShape, run: RunShape, settings: Settings, held: dict[str, float]) -> dict[str, float]:
+    """The critic's update: what stays allocated (``held``, the critic's own state among it), the gathered parameters
+    of its root and two layers, and the activations of its largest micro-batch, of its own model's widths (the
+    policy's, or critic.model_path's), every layer recomputed where the actor recomputes any
+    (model.gradient_checkpointing reaches the critic as true or false), and no logits."""
+    critic, dtype_bytes = run.critic_model or shape, run.dtype_bytes
+    phase = dict(held)
+    phase["critic gathered parameters"] = dtype_bytes * (critic.vocab_size * critic.hidden_size + critic.hidden_size
+                                                         + 2 * critic.layer_params)
+    _, tokens = micro_batch_split(run, run.critic_tokens or settings.micro_batch_tokens)
+    recomputed = critic.num_layers if settings.checkpoint_layers else 0
+    per_layer = critic.activation_bytes_per_token(dtype_bytes, run.eager)
+    phase["critic activations"] = tokens * ((critic.num_layers - recomputed) * per_layer
+                                            + recomputed * critic.hidden_size * dtype_bytes
+                                            + (per_layer if recomputed else 0) + 4 * critic.hidden_size * dtype_bytes)
     return phase
 
 

@@ -141,6 +141,7 @@ def _critic_shape(config: Config) -> dict[str, Any]:
         return {}
     own = critic.model_path and critic.model_path != config.model.path
     return {"critic_model": ModelShape.from_model_path(critic.model_path, "critic.model_path") if own else None,
+            "critic_tokens": int(critic.max_tokens_per_micro_batch or 0),
             "critic_offload": "param" if critic.param_offload else "optimizer" if critic.optimizer_offload else ""}
 
 

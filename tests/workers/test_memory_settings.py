@@ -216,3 +216,23 @@ def test_a_cpu_run_with_a_memory_cap_is_planned_in_float32_and_eager_layers(conf
     assert (run_shape(config).dtype_bytes, run_shape(config).eager) == (4, True)
     config.trainer.device = "auto"  # no GPU here: the size names the card it plans for
     assert (run_shape(config).dtype_bytes, run_shape(config).eager) == (2, False)
+
+
+def test_the_critics_update_counts_its_own_models_activations(config, tmp_path):
+    """A critic wider than the policy (critic.model_path) was planned with the policy's activations, whose update
+    it does not run beside: its own update keeps its own widths' activations."""
+    from reinforge.engine.memory_plan import ModelShape, micro_batch_split
+    from reinforge.workers.memory_settings import run_shape
+
+    wide = tmp_path / "critic"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({**QWEN25_1_5B, "hidden_size": 3584, "num_attention_heads": 28,
+                                                  "num_key_value_heads": 4, "intermediate_size": 18944}))
+    config.algorithm.adv_estimator, config.critic.model_path = "gae", str(wide)
+    config.critic.optimizer_offload, config.model.gradient_checkpointing = True, False
+    config.critic.max_tokens_per_micro_batch = 8192
+    critic, run = ModelShape.from_model_path(str(wide)), run_shape(config)
+    phase = memory_plan(config).phases["critic update"]
+    _, tokens = micro_batch_split(run, 8192)
+    assert phase["critic activations"] == tokens * (28 * critic.activation_bytes_per_token(2) + 4 * 3584 * 2)
+    assert "logits" not in phase and phase["critic"] == 8 * (critic.num_params + 3584)  # tied: no head, one output
