@@ -88,6 +88,12 @@ def _plan(argv: list[str]) -> int:
         folder = Path(tempfile.mkdtemp(prefix="reinforge_plan_"))
         try:
             return _plan_run(rest, known, _shape_overrides(known.model, folder), _shape_image(known))
+        except ValueError as error:  # a refusal names the shape, not the folder that is gone once it is printed
+            if error.args and isinstance(error.args[0], str) and str(folder) in error.args[0]:
+                shape = f"the --model {known.model} shape"
+                error.args = (error.args[0].replace(f"model.path={folder}", shape).replace(str(folder), shape),
+                              *error.args[1:])
+            raise
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     return _plan_run(rest, known, [])

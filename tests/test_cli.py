@@ -126,7 +126,9 @@ def test_plan_refuses_what_train_refuses_of_the_model_before_it_loads(capsys):
     """A router aux loss on a model without experts, and a critic for a vision-language model: plan said they fit."""
     plan = ["plan", "--gpu-memory-gib", "80", "--host-memory-gib", "200"]
     assert main([*plan, "--model", "0.5b", "actor.router_aux_loss_coef=0.01"]) == 2
-    assert "is a 'qwen2' model without experts, which has no router to balance" in capsys.readouterr().err
+    # the shape by its name, not the temporary folder its config.json was written to
+    assert ("but the --model 0.5b shape is a 'qwen2' model without experts, which has no router to balance"
+            in capsys.readouterr().err)
     assert main([*plan, "--model", "qwen2.5-vl-3b", "algorithm.adv_estimator=gae"]) == 2
     assert "is a vision-language model, whose critic reinforge does not build" in capsys.readouterr().err
 
