@@ -221,6 +221,7 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
 
     if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
         check_target_modules(config.model.lora, config.model.path)
+    _check_reward_model_folder(config)
     from reinforge.models import warn_if_beyond_context
 
     # train warns of lengths past the model's positions; plan, which reads the same config.json, warns too
@@ -234,6 +235,22 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
         logging.getLogger(__name__).warning(hf_fallback_notice(reason))
     print(memory_plan(config).table())  # MemoryPlanError (a ValueError): one line, exit 2, as train
     return 0
+
+
+def _check_reward_model_folder(config) -> None:
+    """reward.reward_model.model_path refused as train refuses it (not a one-label classification model) where it is
+    a whole local model folder; a folder of config.json alone, or a hub id, is read for its sizes only."""
+    from reinforge.models.loading import check_model_folder, is_local_path
+    from reinforge.models.reward_model import check_reward_model
+
+    settings = config.reward.reward_model
+    if not settings.enable or not settings.model_path or not is_local_path(settings.model_path):
+        return
+    try:
+        check_model_folder(settings.model_path, "reward.reward_model.model_path")
+    except FileNotFoundError:
+        return  # the planner reads its config.json, or names what is missing
+    check_reward_model(settings.model_path, settings.trust_remote_code)
 
 
 def _image_tokens_of(config, image_size: str) -> int:

@@ -133,6 +133,13 @@ def test_plan_refuses_what_train_refuses_of_the_model_before_it_loads(capsys):
     assert "is a vision-language model, whose critic reinforge does not build" in capsys.readouterr().err
 
 
+def test_plan_refuses_a_reward_model_folder_that_is_no_classification_model(tiny_model_dir, capsys):
+    """A causal LM as reward.reward_model.model_path: train refused it before any model loaded, plan said it fits."""
+    assert main(["plan", "--model", "0.5b", "--gpu-memory-gib", "80", "--host-memory-gib", "100",
+                 "reward.reward_model.enable=true", f"reward.reward_model.model_path={tiny_model_dir}"]) == 2
+    assert "is not a classification model (Qwen2ForCausalLM in its config.json)" in capsys.readouterr().err
+
+
 def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
     assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
     assert capsys.readouterr().err.strip() == (
