@@ -817,6 +817,9 @@ class RunShape:
     reward_model_tokens: int = 0
     """Its scoring micro-batch budget; 0: the update's (actor.max_tokens_per_micro_batch)."""
     judge: ModelShape | None = None
+    judge_length: int = 0
+    """reward.judge.max_prompt_length + reward.judge.max_tokens: the judge's longest sequence, which its engine's KV
+    cache (of rollout.kv_cache_gib, as the policy's) must hold (``judge_sequence_gib``)."""
     """reward.judge's own model (not the policy) on these devices: its weights stay on each device whole; a
     ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
     kv_cache_dtype: str = "auto"
@@ -973,6 +976,16 @@ def needed_kv_gib(shape: ModelShape, run: RunShape, share: int = 1) -> float:
     return sum(size * count for size, count in zip(block_bytes, counts, strict=True)) / GiB
 
 
+def judge_sequence_gib(run: RunShape) -> float:
+    """GiB of one judge sequence at full length in its engine's KV cache (whole blocks, the lookahead token); 0 without
+    a judge model of its own or where the native engine does not run (the hf backend sizes its own cache)."""
+    if run.judge is None or not run.judge_length or not run.native_engine:
+        return 0.0
+    dtype = "auto" if run.judge.kv_lora_rank else run.kv_cache_dtype  # latent attention keeps the model dtype
+    blocks = -(-(run.judge_length + 1) // KV_BLOCK_TOKENS)
+    return run.judge.kv_block_bytes(KV_BLOCK_TOKENS, dtype, run.dtype_bytes) * blocks / GiB
+
+
 def rollout_concurrency(sequences: int, num_devices: int) -> int:
     """The native engine's ``max_num_seqs`` where the planner sizes its cache: one device's sequences of a step,
     at most ``ENGINE_MAX_NUM_SEQS``; a sliding pool then holds the windows of those sequences only."""
@@ -1119,7 +1132,7 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings,
     if run.lora_rank and devices == 1 and not settings.param_offload and not run.off_policy:
         # the frozen base is the engine's too (rollout.native.model.weights_read_in_place): counted once
         engine_weights = dtype_bytes * shape.projection_params
-    kv_cache = (settings.kv_cache_gib or needed_kv_gib(shape, run)) * GiB
+    kv_cache = max(settings.kv_cache_gib or needed_kv_gib(shape, run), judge_sequence_gib(run)) * GiB
     engine_activations = (ENGINE_MAX_BATCHED_TOKENS * (4 * shape.intermediate_size + 8 * shape.hidden_size) * dtype_bytes
                           + ENGINE_MAX_NUM_SEQS * shape.vocab_size * 16 + (256 << 20))
 

@@ -31,6 +31,7 @@ from reinforge.engine.memory_plan import (
     RunShape,
     Settings,
     estimate,
+    judge_sequence_gib,
     needed_kv_gib,
     plan_memory,
 )
@@ -150,7 +151,8 @@ def _judge_shape(config: Config) -> dict[str, Any]:
     judge = config.reward.judge
     if not judge.enable or not judge.model_path or judge.model_path == "policy":
         return {}
-    return {"judge": ModelShape.from_model_path(judge.model_path, "reward.judge.model_path")}
+    return {"judge": ModelShape.from_model_path(judge.model_path, "reward.judge.model_path"),
+            "judge_length": int(judge.max_prompt_length) + int(judge.max_tokens)}
 
 
 def _adapted_projections(lora: Any, model_type: str | None = None) -> tuple[str, ...]:
@@ -211,7 +213,8 @@ def config_values(settings: Settings, shape: ModelShape, run: RunShape) -> dict[
               "checkpoint_layers": True if checkpointed >= shape.num_layers else False if checkpointed == 0
               else checkpointed,
               # rounded up to the MiB: the engine's pool must hold every block the plan counted
-              "kv_cache_gib": math.ceil((settings.kv_cache_gib or needed_kv_gib(shape, run)) * 1024) / 1024,
+              "kv_cache_gib": math.ceil(max(settings.kv_cache_gib or needed_kv_gib(shape, run),
+                                            judge_sequence_gib(run)) * 1024) / 1024,
               "keep_rollout_memory": not settings.keep_rollout_memory}
     return {key: values[name] for name, key in SETTING_KEYS.items()}
 
@@ -268,6 +271,13 @@ def _check_kv_cache_holds_one_sequence(config: Config, shape: ModelShape, run: R
     size = given.get("kv_cache_gib")
     if not size or config.rollout.gpu_memory_utilization is not None or not native_engine_runs(config):
         return
+    judge = judge_sequence_gib(run)
+    if size < judge:
+        raise MemoryPlanError(
+            f"rollout.kv_cache_gib={size:g}, which the judge's engine takes too, cannot hold one judge sequence of "
+            f"reward.judge.max_prompt_length + reward.judge.max_tokens = {run.judge_length} tokens ({judge:.3g} GiB "
+            f"for reward.judge.model_path's model); raise it to at least {math.ceil(judge * 100) / 100:g}, or set it "
+            "to auto")
     one = needed_kv_gib(shape, run, share=rollout_concurrency(run.sequences, run.num_devices))
     if size < one:
         length = run.prompt_length + run.response_length

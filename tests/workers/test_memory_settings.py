@@ -236,3 +236,23 @@ def test_the_critics_update_counts_its_own_models_activations(config, tmp_path):
     _, tokens = micro_batch_split(run, 8192)
     assert phase["critic activations"] == tokens * (28 * critic.activation_bytes_per_token(2) + 4 * 3584 * 2)
     assert "logits" not in phase and phase["critic"] == 8 * (critic.num_params + 3584)  # tied: no head, one output
+
+
+def test_the_kv_cache_holds_one_sequence_of_the_judges_own_model(config, tmp_path):
+    """The judge's engine takes rollout.kv_cache_gib too: a small step's planned cache (1 sequence of 640 tokens of
+    the 1.5B's) could not hold one judge sequence of a wider model, and the judge failed in its first generation."""
+    from reinforge.workers.memory_settings import apply_memory_plan
+
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    (judge / "config.json").write_text(json.dumps({**QWEN25_1_5B, "num_key_value_heads": 12}))  # 6 x 1.5B's KV
+    config.data.train_batch_size, config.rollout.n, config.data.max_response_length = 1, 1, 512
+    config.reward.judge.enable, config.reward.judge.model_path = True, str(judge)
+    config.reward.judge.template = "{prompt} {response}"
+    needed = 28 * 2 * 12 * 128 * 2 * 16 * -(-(2048 + 256 + 1) // 16) / GiB  # the judge's 2,304 tokens, in blocks
+    apply_memory_plan(config, log=False)
+    assert needed <= config.rollout.kv_cache_gib < needed + 0.01
+    config.rollout.kv_cache_gib = 0.05  # set: refused before any model loads
+    with pytest.raises(MemoryPlanError, match=r"^rollout.kv_cache_gib=0.05, which the judge's engine takes too, "
+                                              r"cannot hold one judge sequence of .* = 2304 tokens"):
+        apply_memory_plan(config)
