@@ -56,13 +56,14 @@ def host_memory_bytes() -> float:
 
 
 def device_memory_bytes(config: Config) -> float | None:
-    """The device memory one process plans for; None when this process cannot see the run's device."""
+    """The device memory one process plans for; None when this process cannot see the run's device. On the CPU: its
+    share of the host's memory, which the machine's trainer.devices_per_node processes divide."""
     if config.trainer.gpu_memory_gib:
         return config.trainer.gpu_memory_gib * GiB
     wants_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
     if wants_cuda:
         return float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else None
-    return host_memory_bytes()
+    return host_memory_bytes() / max(config.trainer.devices_per_node, 1)  # the machine's CPU processes share it
 
 
 def run_shape(config: Config) -> RunShape:

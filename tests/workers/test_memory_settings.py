@@ -256,3 +256,14 @@ def test_the_kv_cache_holds_one_sequence_of_the_judges_own_model(config, tmp_pat
     with pytest.raises(MemoryPlanError, match=r"^rollout.kv_cache_gib=0.05, which the judge's engine takes too, "
                                               r"cannot hold one judge sequence of .* = 2304 tokens"):
         apply_memory_plan(config)
+
+
+def test_cpu_processes_of_one_machine_plan_for_their_share_of_its_memory(config, monkeypatch):
+    """Each of a machine's CPU processes planned for the whole host's memory, which they all use at once."""
+    from reinforge.workers import memory_settings
+
+    monkeypatch.setattr(memory_settings, "host_memory_bytes", lambda: 64 * GiB)
+    config.trainer.device, config.trainer.gpu_memory_gib = "cpu", None
+    assert memory_settings.device_memory_bytes(config) == 64 * GiB
+    config.trainer.backend, config.trainer.devices_per_node = "ray", 4
+    assert memory_settings.device_memory_bytes(config) == 16 * GiB
