@@ -235,7 +235,7 @@ class ToolAgentLoop(AgentLoop):
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the trajectory is being cancelled
-            # the tool's own: a request of its library cancelled inside it, not this call
+            # the tool's own: a request of its library cancelled inside it, not the trajectory's task
             return _raised(call.name, RuntimeError("the tool raised CancelledError (something it awaited was cancelled)"))
         except Exception as error:
             return _raised(call.name, error)
