@@ -169,28 +169,23 @@ def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
     assert_same_metrics(read_metrics(run_dir), local_metrics)
 
 
-@pytest.mark.parametrize("mode", ["async", "one_step_off"])
-def test_off_policy_modes_on_ray_with_two_members(ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function,
-                                                  tmp_path, local_metrics, mode):
-    """async at max_staleness=0 gives the local sync run's metrics on two FSDP members; one_step_off trains
-    a version behind. Both sync the rollout copy on every member (sync_rollout_weights, ONE_TO_ALL)."""
+def test_async_on_ray_with_two_members(ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path,
+                                      local_metrics):
+    """async at max_staleness=0 gives the local sync run's metrics on two FSDP members, the rollout copy synced on
+    every member (sync_rollout_weights, ONE_TO_ALL). one_step_off on Ray, a version behind, is the next test's."""
     run_dir = tmp_path / "run"
     args = grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, reward_function, **{
-        "trainer.backend": "ray", "trainer.devices_per_node": 2, "trainer.mode": mode, "trainer.max_staleness": 0,
+        "trainer.backend": "ray", "trainer.devices_per_node": 2, "trainer.mode": "async", "trainer.max_staleness": 0,
         "rollout.segment_tokens": 4})
     try:
         assert main(["train", *args]) == 0
     finally:
         release_all_pools()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if mode == "async":
-        assert [row["async/staleness_max"] for row in rows] == [0.0, 0.0]
-        compared = [{key: value for key, value in row.items() if not key.startswith("async/")}
-                    for row in read_metrics(run_dir)]
-        assert_same_metrics(compared, local_metrics)
-    else:
-        assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0]
-        assert all("rollout_corr/rollout_is_mean" in row for row in rows[1:])
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 0.0]
+    compared = [{key: value for key, value in row.items() if not key.startswith("async/")}
+                for row in read_metrics(run_dir)]
+    assert_same_metrics(compared, local_metrics)
 
 
 def test_one_step_off_with_a_rollout_worker_on_its_own_pool(ray_cluster, tiny_model_dir, arithmetic_data_dir,
@@ -211,4 +206,5 @@ def test_one_step_off_with_a_rollout_worker_on_its_own_pool(ray_cluster, tiny_mo
         release_all_pools()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
     assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0]
+    assert all("rollout_corr/rollout_is_mean" in row for row in rows[1:])
     assert all(row["actor/num_skipped_steps"] == 0 for row in rows)  # no non-finite gradient
