@@ -33,6 +33,7 @@ from reinforge.engine.memory_plan import (
     estimate,
     judge_sequence_gib,
     needed_kv_gib,
+    peak_bytes,
     plan_memory,
 )
 
@@ -232,17 +233,34 @@ def _plan(config: Config, gpu_bytes: float, host_bytes: float | None = None) -> 
     return shape, run, plan
 
 
-def _check_given_cache(config: Config, gpu_bytes: float) -> None:
+def _check_given_settings(config: Config, gpu_bytes: float) -> None:
     """With every memory setting given (nothing to plan), the native engine's KV cache still must hold one sequence
-    at full length, as ``_plan`` checks it: rollout.kv_cache_gib, or what rollout.gpu_memory_utilization leaves."""
-    shape, run = ModelShape.from_model_path(config.model.path), run_shape(config)
+    at full length, as ``_plan`` checks it: rollout.kv_cache_gib, or what rollout.gpu_memory_utilization leaves; and
+    an estimate above the device is said in one warning (where the planner can read the model's sizes)."""
+    from reinforge.engine.memory_plan import MemoryPlanError
+
+    native = native_engine_runs(config)
+    try:
+        shape, run = ModelShape.from_model_path(config.model.path), run_shape(config)
+    except MemoryPlanError:
+        if native:
+            raise
+        return  # nothing to check against: the run's settings are its own
     given = given_settings(config, shape.num_layers)
-    _check_kv_cache_holds_one_sequence(config, shape, run, given)
-    if run.kv_cache_fraction:
-        settings = Settings(**given)
-        if settings.param_offload:
-            settings.keep_gathered = False
-        _check_utilization_holds_one_sequence(shape, run, estimate(shape, run, settings, gpu_bytes)[0]["rollout"])
+    if native:
+        _check_kv_cache_holds_one_sequence(config, shape, run, given)
+    settings = Settings(**given)
+    if settings.param_offload:
+        settings.keep_gathered = False
+    phases = estimate(shape, run, settings, gpu_bytes)[0]
+    if run.kv_cache_fraction and native:
+        _check_utilization_holds_one_sequence(shape, run, phases["rollout"])
+    phase, peak = peak_bytes(phases)
+    if peak > gpu_bytes:  # the settings are the user's: said, not refused (reinforge plan refuses them)
+        logger.warning("every memory setting is given, and the memory plan estimates their %s at %.1f GiB, more than "
+                       "the %.1f GiB of the device: the run may run out of memory; `reinforge plan` with these "
+                       "settings names the largest consumers, or set some to auto to let the planner choose",
+                       phase, peak / GiB, gpu_bytes / GiB)
 
 
 def _check_utilization_holds_one_sequence(shape: ModelShape, run: RunShape, rollout: dict[str, float]) -> None:
@@ -303,10 +321,10 @@ def has_auto_settings(config: Config) -> bool:
 def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
     """Replace every ``auto`` memory setting of ``config`` (in place) by the plan's; None when this process
     cannot see the run's device (the workers plan then). Raises ``MemoryPlanError`` when nothing fits, and, with
-    every setting given, where the native engine's KV cache cannot hold one sequence (``_check_given_cache``)."""
+    every setting given, where the native engine's KV cache cannot hold one sequence (``_check_given_settings``)."""
     if not has_auto_settings(config):
-        if native_engine_runs(config) and (gpu_bytes := device_memory_bytes(config)) is not None:
-            _check_given_cache(config, _within_card(config, gpu_bytes))
+        if (gpu_bytes := device_memory_bytes(config)) is not None:
+            _check_given_settings(config, _within_card(config, gpu_bytes))
         return None
     gpu_bytes = device_memory_bytes(config)
     if gpu_bytes is None:

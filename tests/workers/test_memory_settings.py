@@ -143,6 +143,25 @@ def test_a_run_that_sets_every_memory_setting_still_refuses_a_cache_that_holds_n
         getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) != "auto" for key in SETTING_KEYS.values())
 
 
+def test_every_setting_given_past_the_device_is_warned_of_in_one_line(config, caplog):
+    """reinforge plan refuses settings whose estimate is past the device; train, planning nothing, said nothing."""
+    from reinforge.workers.memory_settings import apply_memory_plan, config_values
+
+    planned = memory_plan(config)
+    for key, value in config_values(planned.settings, *_shapes(config)).items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
+    with caplog.at_level("WARNING"):
+        apply_memory_plan(config)
+    assert not caplog.records  # the planner's own choice fits
+    config.actor.max_tokens_per_micro_batch, config.model.gradient_checkpointing = 10**6, False
+    with caplog.at_level("WARNING"):
+        apply_memory_plan(config)
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith("every memory setting is given, and the memory plan estimates their update at ")
+    assert "the run may run out of memory; `reinforge plan` with these settings names the largest consumers" in line
+
+
 def _shapes(config):
     from reinforge.engine.memory_plan import ModelShape
     from reinforge.workers.memory_settings import run_shape
