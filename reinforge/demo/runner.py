@@ -103,10 +103,9 @@ def check_model(model_dir: Path) -> None:
 
 
 def check_free_disk(run_dir: Path, required_mb: int = REQUIRED_FREE_MB) -> None:
-    existing = run_dir.resolve()
-    while not existing.exists():
-        existing = existing.parent
-    free_mb = shutil.disk_usage(existing).free / 2**20
+    from reinforge.trainer.preflight import free_disk_bytes
+
+    free_mb = free_disk_bytes(run_dir) / 2**20
     if free_mb < required_mb:
         raise DemoError(f"only {free_mb:.0f} MB are free on the disk of {run_dir}; the demo needs about "
                         f"{required_mb} MB for its checkpoints, final model and plots; free some space or pass "

@@ -200,18 +200,13 @@ def check_checkpoint_room(model_path: str, output_dir: str, adapters_only: bool,
     least at its end): its hf/ model alone takes about half the bytes of ``model_path``'s weight files or more (they
     may be float32 where the checkpoint is bfloat16). A run whose checkpoints hold adapters (LoRA) is not checked,
     nor a model that is no local folder."""
-    import shutil
-
     folder = Path(model_path).expanduser()
     if adapters_only or not folder.is_dir():
         return
     weights = sum(path.stat().st_size for path in folder.iterdir()
                   if path.is_file() and path.name.endswith(WEIGHT_FILE_SUFFIXES))
-    existing = Path(output_dir).expanduser().absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
     try:
-        free = shutil.disk_usage(existing).free
+        free = free_disk_bytes(Path(output_dir))
     except OSError:
         return  # the run folder's own checks say what is wrong with it
     if free < weights // 2:
@@ -219,6 +214,16 @@ def check_checkpoint_room(model_path: str, output_dir: str, adapters_only: bool,
                           f"writes one, at least at its end) holds the model's weights, about {_bytes_text(weights // 2)} "
                           f"or more ({model_path} has {_bytes_text(weights)} of them); free space there, or set "
                           f"{key} to a folder on a disk with room")
+
+
+def free_disk_bytes(path: Path) -> int:
+    """The free bytes of the disk that holds ``path``, or would hold it (that of its nearest existing folder)."""
+    import shutil
+
+    existing = path.expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
 
 
 def _bytes_text(count: int) -> str:
