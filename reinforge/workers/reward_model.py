@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.data.chat_template import after_end_of_turn_ids, apply_chat_template
+from reinforge.data.chat_template import after_end_of_turn_ids, apply_chat_template, chat_template_text
 from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import ScoringPass, last_token_scores
 from reinforge.engine.fsdp import shard_model
@@ -61,7 +61,7 @@ from reinforge.workers.memory_settings import apply_memory_plan
 def reads_like_policy(rm_tokenizer: Any, policy_tokenizer: Any, policy_template: str | None) -> bool:
     """Whether the reward model tokenizes and templates text as the policy does (its ids can be read as they are)."""
     return (rm_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
-            and rm_tokenizer.chat_template == policy_template)
+            and chat_template_text(rm_tokenizer) == policy_template)
 
 
 def check_reads_policy_ids(rm_tokenizer: Any, policy_tokenizer: Any, rm_path: str) -> None:
@@ -253,7 +253,7 @@ def build_reward_inputs(config: Config) -> RewardInputs:
             raise FileNotFoundError(f"reward.reward_model.input_tokenizer={path} is not a folder; give the policy's "
                                     "tokenizer folder, auto (the policy's) or null (never re-render responses)")
         policy_tokenizer = load_tokenizer(path, trust_remote_code=model.trust_remote_code)
-        template = config.data.chat_template or policy_tokenizer.chat_template
+        template = chat_template_text(policy_tokenizer, config.data.chat_template)
         same_vocabulary = rm_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         if reads_like_policy(rm_tokenizer, policy_tokenizer, template) or (
                 same_vocabulary and not rm_tokenizer.chat_template):  # no template of its own: it reads the policy's
