@@ -17,3 +17,14 @@ def check_resumed_counts(state: dict[str, Any], count_key: str, count: int, coun
     if "batch_size" in state and state["batch_size"] != batch_size:
         raise ValueError(f"the checkpoint's data loader had batch_size={state['batch_size']} but this run has "
                          f"{batch_size}; restore data.batch_size, or start a new run (trainer.resume=never)")
+
+
+def check_loader_resumes(loader: Any, trainer_state: dict[str, Any] | None) -> None:
+    """The refusal of ``loader.load_state_dict`` for the loader state in ``trainer_state`` (a checkpoint's
+    trainer_state.pt; None: a fresh run), raised now, before any model loads, rather than when the run resumes;
+    the loader is left at the position it had."""
+    if trainer_state is None or "loader" not in trainer_state:
+        return
+    position = loader.state_dict()
+    loader.load_state_dict(trainer_state["loader"])
+    loader.load_state_dict(position)

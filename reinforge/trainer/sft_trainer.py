@@ -31,6 +31,7 @@ from reinforge.algorithms import LossNormalizer, aggregate_loss, log_probs_from_
 from reinforge.config import config_to_dict
 from reinforge.config.sft_schema import SFTConfig
 from reinforge.data.chat_template import get_pad_token_id
+from reinforge.data.loader_state import check_loader_resumes
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
@@ -197,6 +198,7 @@ class SFTTrainer(SupervisedRun):
                 self.val_loader = SFTLoader(self._rows(data.val_files, "val", data.max_val_samples), data.val_batch_size,
                                             pad_token_id, packed=data.packing, shuffle=False, processor=self.processor)
             self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
+            check_loader_resumes(self.train_loader, self._resume_state)  # changed data: refused before the model loads
 
             self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
                                         trust_remote_code=config.model.trust_remote_code,

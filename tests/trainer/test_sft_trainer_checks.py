@@ -175,6 +175,20 @@ def test_resume_refuses_data_files_whose_rows_changed_since_the_checkpoint(tmp_p
         SFTTrainer(config).fit()
 
 
+def test_changed_data_is_refused_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch):
+    from reinforge.trainer import sft_trainer
+
+    SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
+    config = sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2")
+    train = tmp_path / "train.jsonl"
+    train.write_text(train.read_text() + json.dumps(GOOD) + "\n")
+    loaded = []
+    monkeypatch.setattr(sft_trainer, "load_causal_lm", lambda *args, **kwargs: loaded.append(args))
+    with pytest.raises(ValueError, match=r"^the checkpoint's SFT data had 8 rows .* but this run's has 9"):
+        SFTTrainer(config)
+    assert loaded == []
+
+
 def test_max_samples_reached_in_the_first_file_leaves_the_later_ones_unread(tmp_path, tokenizer):
     first, later = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")

@@ -28,6 +28,7 @@ from reinforge.config.errors import ConfigError
 from reinforge.config.preference_schema import DPOConfig, RMConfig, validate_preference_config
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.files import expand_data_files, read_rows
+from reinforge.data.loader_state import check_loader_resumes
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
@@ -181,6 +182,7 @@ class PreferenceRun(SupervisedRun):
         # them with the checkpoint's (planned then too), not an auto with the number it became
         self._open_run_folder_on_every_rank(trainer.resume, trainer.keep_last)
         with self.run_folder_released_on_failure():
+            check_loader_resumes(self.train_loader, self._resume_state)  # changed data: refused before the model loads
             self.model = self.load_model()
             self.model.train()
             self.optimizer = build_optimizer(self.model, config.optim)

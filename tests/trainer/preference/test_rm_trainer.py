@@ -129,6 +129,29 @@ def test_a_malformed_row_fails_in_one_line_before_the_tokenizer_or_model_loads(p
                     "other columns")
 
 
+@pytest.mark.parametrize("command", ["rm", "dpo"])
+def test_changed_pairs_are_refused_on_resume_before_the_model_loads(pair_args, pairs_dir, tmp_path, monkeypatch,
+                                                                    capsys, command):
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    from .conftest import write_pairs
+
+    run_dir, train = tmp_path / "run", write_pairs(tmp_path / "train.jsonl", 8, seed=0)
+    args = pair_args(run_dir, **{"data.train_files": f"[{train}]", "trainer.total_steps": 1})
+    assert main([command, *args]) == 0
+    write_pairs(train, 9, seed=0)  # the same path, one more pair
+    trainer_class = RewardModelTrainer if command == "rm" else DPOTrainer
+
+    def no_loading(self):
+        raise AssertionError("the model started loading before the changed data was refused")
+
+    monkeypatch.setattr(trainer_class, "load_model", no_loading)
+    capsys.readouterr()
+    assert main([command, *pair_args(run_dir, **{"data.train_files": f"[{train}]", "trainer.total_steps": 2})]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: the checkpoint's data had 8 pairs but this run's has 9: the data files changed")
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("trainer.max_tokens_per_micro_batch=100", "trainer.max_tokens_per_micro_batch=100 is smaller than 2 x "
      "data.max_length=2048, so one pair (its prompt and both completions) may not fit one micro-batch; raise it"),
