@@ -36,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 ENGINE_METRICS = ("rollout/", "timing_s/gen/")
 """The rollout metrics that count a generation's work (the engine's counters, the phases of its call): a step's
-are summed over its generation batches (``combine_spans``). The others (an agent loop's per-trajectory figures)
-are the first batch's."""
+are summed over its generation batches (``combine_spans``). The others (an agent loop's per-trajectory figures,
+``agent.runner.agent_metrics``) are combined over the batches' trajectories (``combine_agent_metrics``)."""
+SLOWEST = "timing_s/agent_loop/slowest/"
+"""The agent loop's slowest trajectory's figures: those of one trajectory, the slowest of every batch."""
 
 UNLIMITED_WARNING_FIRST = 10
 """With max_num_gen_batches=0 (no limit), a step warns after this many generation batches, then at each doubling."""
@@ -126,6 +128,40 @@ def concat_generated(batches: list[Batch], pad_token_id: int) -> Batch:
     return Batch.concat(padded)
 
 
+def combine_agent_metrics(spans: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The agent loop's per-trajectory metrics of several generation batches (each batch's metrics and its number of
+    samples) as those of all their trajectories: ``*/min`` the smallest, ``*/max`` the largest, ``*/mean`` the mean
+    weighted by the batches' samples, the slowest trajectory's figures the slowest batch's, and the totals (tool
+    errors, calls, ``agent/tool/*``) summed."""
+    combined: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, samples in spans:
+        for name, value in metrics.items():
+            if name.startswith(SLOWEST):
+                continue
+            if name not in combined:
+                combined[name] = value * samples if name.endswith("/mean") else value
+                weights[name] = samples
+            elif name.endswith("/min"):
+                combined[name] = min(combined[name], value)
+            elif name.endswith("/max"):
+                combined[name] = max(combined[name], value)
+            elif name.endswith("/mean"):
+                combined[name] += value * samples
+                weights[name] += samples
+            else:
+                combined[name] += value
+    for name in combined:
+        if name.endswith("/mean"):
+            combined[name] /= max(weights[name], 1)
+    with_slowest = [metrics for metrics, _ in spans if any(name.startswith(SLOWEST) for name in metrics)]
+    if with_slowest:
+        slowest = max(with_slowest, key=lambda metrics: metrics.get(f"{SLOWEST}generate_sequences", 0.0)
+                      + metrics.get(f"{SLOWEST}tool_calls", 0.0))
+        combined |= {name: value for name, value in slowest.items() if name.startswith(SLOWEST)}
+    return combined
+
+
 def _warns_at(num_gen_batches: int) -> bool:
     """10, 20, 40, 80... generation batches (``UNLIMITED_WARNING_FIRST`` and its doublings)."""
     times, rest = divmod(num_gen_batches, UNLIMITED_WARNING_FIRST)
@@ -137,10 +173,11 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
                         pad_token_id: int) -> tuple[Batch, dict[str, float]]:
     """Generate and score batches of prompts (``first``, then ``next_prompts()``) until ``num_groups``
     groups pass the filter; returns the rows of the first ``num_groups`` kept groups and the metrics ``train/num_gen_batches``, ``train/kept_group_fraction`` and ``train/num_kept_groups``.
-    The rows' meta has the reward counts and the engine's rollout metrics of every generation batch.
+    The rows' meta has the reward counts, the engine's rollout metrics and the agent loop's of every generation batch.
     """
     kept: list[Batch] = []
     engine_spans: list[dict[str, float]] = []
+    agent_spans: list[tuple[dict[str, float], int]] = []
     reward_metrics: dict[str, float] = {}
     num_kept = num_generated = num_gen_batches = num_samples = 0
     prompts = first
@@ -153,8 +190,10 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
         for key, value in scored.meta.get("reward_metrics", {}).items():
             reward_metrics[key] = reward_metrics.get(key, 0.0) + value
         num_samples += len(scored)
-        engine_spans.append({key: value for key, value in scored.meta.get("rollout_metrics", {}).items()
-                             if key.startswith(ENGINE_METRICS)})
+        generated = scored.meta.get("rollout_metrics", {})
+        engine_spans.append({key: value for key, value in generated.items() if key.startswith(ENGINE_METRICS)})
+        agent_spans.append(({key: value for key, value in generated.items() if not key.startswith(ENGINE_METRICS)},
+                            len(scored)))
         kept.append(scored.index(rows))
         if num_kept >= num_groups:
             break
@@ -180,8 +219,8 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
     if "reward/overlong/count" in reward_metrics:  # over every sample generated, like the counts
         reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(num_samples, 1)
     merged.meta["reward_metrics"] = reward_metrics
-    # the engine's counts and phases over every generation batch (the first batch's meta came with the rows)
-    merged.meta["rollout_metrics"] = dict(merged.meta.get("rollout_metrics", {})) | combine_spans(engine_spans)
+    # the engine's counts and phases, and the agent loop's figures, over every generation batch
+    merged.meta["rollout_metrics"] = combine_agent_metrics(agent_spans) | combine_spans(engine_spans)
     metrics = {"train/num_gen_batches": float(num_gen_batches), "train/num_kept_groups": float(num_kept),
                "train/kept_group_fraction": num_kept / max(num_generated, 1)}
     return merged, metrics

@@ -160,4 +160,27 @@ def test_the_engines_rollout_metrics_cover_every_generation_batch_of_the_step():
     assert metrics["train/num_gen_batches"] == 2.0
     assert batch.meta["rollout_metrics"] == {"rollout/num_generated_tokens": 16.0, "rollout/time_s": 2.0,
                                              "rollout/tokens_per_s": 8.0, "rollout/kv_blocks_used_peak": 5.0,
-                                             "timing_s/gen/engine": 1.5, "num_turns/mean": 2.0}
+                                             "timing_s/gen/engine": 1.5, "num_turns/mean": 2.5}
+
+
+def test_the_agent_loops_metrics_cover_every_generation_batch_of_the_step():
+    """num_turns/* and the tool counts were the first generation batch's alone, beside rollout/* of them all."""
+    first, second = scored_batch({"a": [1, 1]}, 2), scored_batch({"b": [0, 1], "c": [1, 0]}, 2)
+    first.meta["rollout_metrics"] = {
+        "num_turns/min": 2.0, "num_turns/max": 3.0, "num_turns/mean": 2.5, "agent/num_tool_calls/mean": 1.0,
+        "agent/tool_errors": 1.0, "agent/tool/code/runs": 2.0, "agent/budget_spent": 0.0,
+        "timing_s/agent_loop/slowest/generate_sequences": 4.0, "timing_s/agent_loop/slowest/tool_calls": 1.0,
+        "timing_s/agent_loop/slowest/response_length": 30.0}
+    second.meta["rollout_metrics"] = {
+        "num_turns/min": 1.0, "num_turns/max": 2.0, "num_turns/mean": 1.0, "agent/num_tool_calls/mean": 4.0,
+        "agent/tool_errors": 2.0, "agent/tool/code/runs": 5.0, "agent/budget_spent": 1.0,
+        "timing_s/agent_loop/slowest/generate_sequences": 6.0, "timing_s/agent_loop/slowest/tool_calls": 0.5,
+        "timing_s/agent_loop/slowest/response_length": 50.0}
+    batch, _ = collect_kept_groups(first, lambda: second, lambda prompts: prompts,
+                                   FilterGroupsConfig(enable=True, metric="score"), num_groups=2, pad_token_id=PAD)
+    assert batch.meta["rollout_metrics"] == {  # over the 2 + 4 samples generated
+        "num_turns/min": 1.0, "num_turns/max": 3.0, "num_turns/mean": (2 * 2.5 + 4 * 1.0) / 6,
+        "agent/num_tool_calls/mean": (2 * 1.0 + 4 * 4.0) / 6, "agent/tool_errors": 3.0,
+        "agent/tool/code/runs": 7.0, "agent/budget_spent": 1.0,
+        "timing_s/agent_loop/slowest/generate_sequences": 6.0, "timing_s/agent_loop/slowest/tool_calls": 0.5,
+        "timing_s/agent_loop/slowest/response_length": 50.0}
