@@ -117,10 +117,10 @@ class OpenAIEndpoint:
 
     @staticmethod
     def _error(status: int, message: str, error_type: str = "invalid_request_error", code: str | None = None,
-               headers: dict[str, str] | None = None) -> Any:
+               headers: dict[str, str] | None = None, param: str | None = None) -> Any:
         from aiohttp import web
 
-        return web.json_response(error_body(message, error_type, code), status=status, headers=headers)
+        return web.json_response(error_body(message, error_type, code, param), status=status, headers=headers)
 
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
@@ -175,7 +175,7 @@ class OpenAIEndpoint:
         try:
             return await answer(await self._body(request))
         except RequestError as error:
-            return self._error(error.status, str(error), error.error_type, error.code)
+            return self._error(error.status, str(error), error.error_type, error.code, param=error.param)
         except Exception as error:
             logger.exception("request failed")
             return self._error(500, f"{type(error).__name__}: {error}", "server_error")

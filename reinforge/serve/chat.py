@@ -30,17 +30,18 @@ class RequestError(ValueError):
     """A request the server refuses: status, OpenAI error type and code, and a one-line message."""
 
     def __init__(self, message: str, status: int = 400, code: str | None = None,
-                 error_type: str = "invalid_request_error"):
+                 error_type: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
-        self.status, self.code, self.error_type = status, code, error_type
+        self.status, self.code, self.error_type, self.param = status, code, error_type, param
 
     def body(self) -> dict[str, Any]:
-        return error_body(str(self), self.error_type, self.code)
+        return error_body(str(self), self.error_type, self.code, self.param)
 
 
-def error_body(message: str, error_type: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": " ".join(message.split()), "type": error_type, "param": None, "code": code}}
+def error_body(message: str, error_type: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error format: {"error": {"message", "type", "param", "code"}}, ``param`` the request key at fault."""
+    return {"error": {"message": " ".join(message.split()), "type": error_type, "param": param, "code": code}}
 
 
 def text_of(content: Any) -> str:

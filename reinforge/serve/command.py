@@ -120,6 +120,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="generation requests at once; one more is answered 429 with Retry-After")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + reply tokens (default: the model's context, at most 8192)")
+    parser.add_argument("--max-n", type=int, default=128,
+                        help="choices one request may ask for (n); a request over it is answered 400")
     parser.add_argument("--max-tokens", type=int, default=1024, help="reply tokens when a request sets no max_tokens")
     parser.add_argument("--rollout", choices=("native", "hf"), default="native")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
@@ -135,6 +137,8 @@ def check_args(args: argparse.Namespace) -> None:
     """One ValueError for a setting no request could be answered with, before the model loads."""
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: allow at least 1 request at a time")
+    if args.max_n < 1:
+        raise ValueError(f"--max-n {args.max_n}: every request asks for at least 1 choice; give at least 1")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: a request without max_tokens could sample nothing; give "
                          "at least 1")
@@ -200,7 +204,7 @@ def serve_main(argv: list[str]) -> int:
     service = GenerationService(client, tokenizer, args.served_model_name or args.model, codec=codec,
                                 max_model_len=max_model_len, default_max_tokens=args.max_tokens,
                                 eos_token_ids=tuple(eos_token_ids(model, tokenizer)),
-                                vocab_size=model.get_input_embeddings().weight.shape[0])
+                                vocab_size=model.get_input_embeddings().weight.shape[0], max_n=args.max_n)
     endpoint = OpenAIEndpoint(service, max_concurrency=args.max_concurrency)
 
     async def run() -> None:

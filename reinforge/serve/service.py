@@ -91,6 +91,10 @@ def flag(body: dict[str, Any], key: str) -> bool:
     return bool(value)
 
 
+DEFAULT_MAX_N = 128
+"""The most choices one request may ask for (``n``) unless ``reinforge serve --max-n`` says otherwise: each is a
+sequence the engine samples, so an unbounded ``n`` is a request that fills the server's memory."""
+
 MAX_TOP_LOG_PROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's chat bound, vLLM's default max_logprobs)."""
 
@@ -142,8 +146,11 @@ def _reads_tool_calls(tools: Any, tool_choice: Any) -> bool:
 class GenerationService:
     def __init__(self, client: TokenClient, tokenizer: Any, model_name: str, *, codec: ChatCodec | None,
                  max_model_len: int, default_max_tokens: int = 1024, eos_token_ids: tuple[int, ...] = (),
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N):
+        if max_n < 1:
+            raise ValueError(f"max_n={max_n}; allow at least 1 choice per request")
         self.client = client
+        self.max_n = max_n
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.codec = codec
@@ -153,6 +160,19 @@ class GenerationService:
         self.vocab_size = vocab_size or len(tokenizer)
         self.token_bytes = TokenBytes(tokenizer)
         self.num_requests = 0
+
+    def _num_samples(self, body: dict[str, Any]) -> int:
+        """The request's ``n`` (absent or null: 1), an integer from 1 to ``max_n``."""
+        value = body.get("n")
+        if value is None:
+            return 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(f"n={json.dumps(value)[:80]} is invalid; send an integer from 1 to {self.max_n} "
+                               "(the number of choices)", param="n")
+        if value > self.max_n:
+            raise RequestError(f"n={value} is over this server's limit of {self.max_n} choices per request "
+                               f"(reinforge serve --max-n); send n from 1 to {self.max_n}", param="n")
+        return value
 
     @staticmethod
     def _stop(body: dict[str, Any]) -> list[str]:
@@ -296,7 +316,7 @@ class GenerationService:
         tools = _tools(body.get("tools"))
         reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)
-        num_samples = int(_integer(body, "n", 1) or 1)
+        num_samples = self._num_samples(body)
         num_top = _integer(body, "top_logprobs", 0) or 0
         flag(body, "logprobs")
         if num_top > MAX_TOP_LOG_PROBS:
@@ -447,7 +467,7 @@ class GenerationService:
         cut = self._stop(body)
         sampling = dataclasses.replace(self._sampling(body, len(prompt_ids), (), cut),
                                        num_top_log_probs=self._num_text_log_probs(body) or 0)
-        return prompt_ids, sampling, int(_integer(body, "n", 1) or 1), cut
+        return prompt_ids, sampling, self._num_samples(body), cut
 
     @staticmethod
     def _num_text_log_probs(body: dict[str, Any]) -> int | None:

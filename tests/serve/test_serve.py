@@ -523,6 +523,47 @@ def test_prompts_out_of_the_vocabulary_top_logprobs_out_of_range_and_image_parts
         served.close()
 
 
+class CountingClient(TextClient):
+    """A ``TextClient`` that counts the samples it is asked for."""
+
+    def __init__(self, tokenizer, text: str):
+        super().__init__(tokenizer, text)
+        self.calls = 0
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.calls += 1
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+def test_n_is_an_integer_from_1_to_the_servers_limit(tool_tokenizer):
+    """n=100000 was sampled: 100,000 sequences for one request, the server's memory gone."""
+    client_ = CountingClient(tool_tokenizer, "ok")
+    service = GenerationService(client_, tool_tokenizer, "scripted", codec=ChatCodec(tool_tokenizer),
+                                max_model_len=4096, eos_token_ids=(tool_tokenizer.eos_token_id,), max_n=4)
+    served = Served(OpenAIEndpoint(service))
+    try:
+        client = served.client()
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        for create, request in ((client.chat.completions.create, chat),
+                                (client.completions.create, {"model": "m", "prompt": "x"})):
+            with pytest.raises(openai.BadRequestError) as error:
+                create(**request, n=100000)
+            assert error.value.body["message"] == ("n=100000 is over this server's limit of 4 choices per request "
+                                                   "(reinforge serve --max-n); send n from 1 to 4")
+            assert error.value.body["param"] == "n"
+            for value in (0, -3, 1.5, "2", True):
+                with pytest.raises(openai.BadRequestError) as error:
+                    create(**request, extra_body={"n": value})
+                assert error.value.body["message"].startswith(f"n={json.dumps(value)} is invalid; send an integer "
+                                                              "from 1 to 4"), error.value.body
+            with pytest.raises(openai.BadRequestError, match="over this server's limit"):
+                create(**request, n=5, stream=True)
+        assert client_.calls == 0
+        assert len(client.chat.completions.create(**chat, n=4).choices) == 4
+    finally:
+        served.close()
+
+
 class StopAtClient:
     """Samples the ids of ``text`` and stops at the first of the request's stop ids, as an engine does."""
 
@@ -752,6 +793,7 @@ def test_a_stopped_server_ends_the_hf_backends_call_under_way_at_its_next_token(
 
 @pytest.mark.parametrize("flag, value, wanted", [
     ("--max-tokens", "0", "--max-tokens 0: a request without max_tokens could sample nothing"),
+    ("--max-n", "0", "--max-n 0: every request asks for at least 1 choice"),
     ("--max-model-len", "-5", "--max-model-len -5: a prompt and its reply need at least 2 tokens"),
     ("--gpu-memory-utilization", "5", "--gpu-memory-utilization 5.0: give a fraction"),
     ("--port", "70000", "--port 70000: give a TCP port"),
