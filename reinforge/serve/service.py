@@ -54,6 +54,8 @@ class ChatCall:
     tools: Any
     reads_tool_calls: bool
     """Whether replies are parsed for tool calls: tools were sent and tool_choice is not "none"."""
+    one_tool_call: bool
+    """``parallel_tool_calls: false``: a reply answers with its first tool call only."""
     cut: list[str]
     """The request's stop strings: the engine stops at the token that completes one, and the text ends before it."""
     prompt_ids: list[int]
@@ -315,6 +317,10 @@ class GenerationService:
                                "turns too); serve with --chat-template FILE holding a template that renders as you need")
         tools = _tools(body.get("tools"))
         reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise RequestError(f"parallel_tool_calls={json.dumps(parallel)[:80]} is invalid; send true or false",
+                               param="parallel_tool_calls")
         training = isinstance(session, TrajectorySession)
         num_samples = self._num_samples(body)
         num_top = _integer(body, "top_logprobs", 0) or 0
@@ -336,8 +342,8 @@ class GenerationService:
             sampling = self._sampling(body, len(prompt_ids), self.codec.renderer.stop_ids, cut)
             request_id = new_id("chat")
         sampling = dataclasses.replace(sampling, num_top_log_probs=num_top)
-        return ChatCall(body, session, messages, tools, reads_tool_calls, cut, prompt_ids, continues, sampling,
-                        num_samples, request_id)
+        return ChatCall(body, session, messages, tools, reads_tool_calls, parallel is False, cut, prompt_ids,
+                        continues, sampling, num_samples, request_id)
 
     @staticmethod
     def _dropped_stops(call: ChatCall) -> tuple[int, ...]:
@@ -357,7 +363,12 @@ class GenerationService:
             finish_reason = "stop"  # a client whose engine does not stop at strings (the text still ends there)
         # a reply cut at max_tokens is "length" even after a whole call: the client must not take it for finished
         tool_turn = call.session.tool_turns(call.prompt_ids) if isinstance(call.session, TrajectorySession) else None
-        choice: dict[str, Any] = {"index": index, "message": openai_message(reply, tool_turn),
+        answered = reply
+        if call.one_tool_call and len(reply.get("tool_calls", [])) > 1:
+            # the engine cannot keep the model from writing more calls: the reply answers with the first alone, and a
+            # conversation that goes on from it is rendered from its messages (it is not the reply as sampled)
+            answered = dict(reply, tool_calls=reply["tool_calls"][:1])
+        choice: dict[str, Any] = {"index": index, "message": openai_message(answered, tool_turn),
                                   "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
         if call.body.get("logprobs"):
             choice["logprobs"] = {"content": self._log_probs(completion)}

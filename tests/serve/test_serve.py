@@ -117,6 +117,20 @@ def test_tool_calls_are_read_only_when_tools_are_sent_and_a_cut_reply_finishes_w
             client.chat.completions.create(model="m", messages=ask, tools=[CALC], tool_choice="required")
         assert refused.value.body["message"].startswith('tool_choice="required" is not supported: the engine samples '
                                                         "freely and cannot force a tool call")
+        # parallel_tool_calls=false: at most one call in the turn (both were answered); the rest is unchanged
+        assert len(client.chat.completions.create(model="m", messages=ask, tools=[CALC]).choices[0].message
+                   .tool_calls) == 2
+        choice = client.chat.completions.create(model="m", messages=ask, tools=[CALC],
+                                                parallel_tool_calls=False).choices[0]
+        assert (len(choice.message.tool_calls), choice.message.content, choice.finish_reason) == (1, "Let me.",
+                                                                                                  "tool_calls")
+        chunks = list(client.chat.completions.create(model="m", messages=ask, tools=[CALC], parallel_tool_calls=False,
+                                                     stream=True))
+        assert [len(chunk.choices[0].delta.tool_calls) for chunk in chunks if chunk.choices[0].delta.tool_calls] == [1]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=ask, tools=[CALC], extra_body={"parallel_tool_calls":
+                                                                                            "false"})
+        assert refused.value.body["message"] == 'parallel_tool_calls="false" is invalid; send true or false'
     finally:
         served.close()
 
