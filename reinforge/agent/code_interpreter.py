@@ -50,6 +50,10 @@ SCHEMA = {
 }
 CONFIG_KEYS = ("sandbox_url", "run_timeout_s", "memory_limit_mb", "retry_budget_s", "max_concurrent_calls",
                "call_timeout_s", "max_failures_in_a_row")
+DEFAULT_CALL_TIMEOUT_CAP_S = 280.0
+"""The default call_timeout_s is at most this (unless the program's run needs longer): below the agent loop's
+default ``rollout.multi_turn.tool_timeout_s`` (300), so a slow call ends with the tool's own message (the time limit,
+"not run" and why) rather than the loop's "did not answer"."""
 VERL_KEYS = ("type",)
 """Keys of verl's tool entries that mean nothing here and are allowed, so a verl config loads."""
 _FENCED = re.compile(r"^\s*```(?:python|py)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
@@ -99,7 +103,9 @@ class CodeInterpreterTool(BaseTool):
     """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (-1: the server's default), retry_budget_s
     (300: seconds a call refused for load, or not connected, is retried; 0: one attempt), max_concurrent_calls (64:
     threads waiting on the sandbox at once, across all trajectories), call_timeout_s (run_timeout_s + 40 +
-    retry_budget_s: the most one call takes from ``execute`` to its answer, a wait for a free thread included),
+    retry_budget_s, at most 280 unless run_timeout_s + 40 is more: the most one call takes from ``execute`` to its
+    answer, a wait for a free thread included; it must be below ``rollout.multi_turn.tool_timeout_s``, which
+    ``load_tools`` checks),
     max_failures_in_a_row (64: calls in a row that reach no sandbox, after their retries, before the tool raises
     ``ToolUnavailable`` and the run stops; 0 never stops, each call then reads "not run"). Any other key, a value
     that is not a number, or one that would fail every call (``call_timeout_s`` not above ``run_timeout_s``) is a
@@ -121,7 +127,9 @@ class CodeInterpreterTool(BaseTool):
         self.memory_limit_mb = _config_number(self.config, "memory_limit_mb", -1, int, -1)
         # a call must outlast its program: one stopped at its run timeout would otherwise read "not run" and count
         # as a sandbox failure, and enough of those in a row stop the run
-        self.call_timeout_s = _config_number(self.config, "call_timeout_s", self.run_timeout_s + 40.0 + retry_budget_s,
+        default_call_timeout_s = max(self.run_timeout_s + 40.0,
+                                     min(self.run_timeout_s + 40.0 + retry_budget_s, DEFAULT_CALL_TIMEOUT_CAP_S))
+        self.call_timeout_s = _config_number(self.config, "call_timeout_s", default_call_timeout_s,
                                              float, self.run_timeout_s, above=True, minimum_name="run_timeout_s")
         self._executor = ThreadPoolExecutor(_config_number(self.config, "max_concurrent_calls", 64, int, 1),
                                             thread_name_prefix="code-interpreter")

@@ -62,8 +62,23 @@ def _verl_tool_config(class_name: str, config: dict[str, Any], where: str) -> di
 
 
 def load_tools(config: MultiTurnConfig) -> dict[str, BaseTool]:
-    """The tools of ``rollout.multi_turn.tool_config_path``; none when it is not set."""
-    return load_tool_config(config.tool_config_path) if config.tool_config_path else {}
+    """The tools of ``rollout.multi_turn.tool_config_path``; none when it is not set. A tool whose own per-call
+    timeout (``call_timeout_s``) is not below ``tool_timeout_s`` is refused: the loop's timeout would end every slow
+    call first, and the tool's own message (a sandbox's time limit, or why the code was not run) would never reach
+    the model."""
+    tools = load_tool_config(config.tool_config_path) if config.tool_config_path else {}
+    loop_timeout = config.tool_timeout_s
+    for name, tool in tools.items():
+        own = getattr(tool, "call_timeout_s", None)
+        if (loop_timeout is None or isinstance(own, bool) or not isinstance(own, int | float)
+                or own < loop_timeout):
+            continue
+        raise ValueError(f"tool {name!r} of {config.tool_config_path} has call_timeout_s={own:g}, not below "
+                         f"rollout.multi_turn.tool_timeout_s={loop_timeout:g}, so the loop would end each slow call "
+                         "before the tool's own timeout could tell the model why; set call_timeout_s below "
+                         f"{loop_timeout:g} in the tool's config (or lower run_timeout_s / retry_budget_s, which its "
+                         f"default follows), or raise rollout.multi_turn.tool_timeout_s above {own:g}")
+    return tools
 
 
 def load_tool_config(path: str | Path) -> dict[str, BaseTool]:

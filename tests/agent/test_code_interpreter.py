@@ -88,6 +88,32 @@ def test_a_config_that_cannot_work_is_refused_naming_the_key(config, error):
     assert CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "type": "native"}).run_timeout_s == 10.0
 
 
+def test_the_tools_own_timeout_is_below_the_loops_and_a_config_where_it_is_not_is_refused(tmp_path):
+    """The default was 350 s against the loop's 300 s: the loop's "did not answer" always came first, and the tool's
+    own message (its time limit, why the code was not run) never reached the model."""
+    from reinforge.agent.tool_config import load_tools
+    from reinforge.config.schema import MultiTurnConfig
+
+    loop = MultiTurnConfig().tool_timeout_s
+    assert CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9"}).call_timeout_s < loop
+    assert CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "run_timeout_s": 60}).call_timeout_s < loop
+    assert CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "retry_budget_s": 0}).call_timeout_s == 50.0
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n"
+                    "    config: {sandbox_url: http://127.0.0.1:9, call_timeout_s: 350}\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"tool 'code_interpreter' of {path} has call_timeout_s=350, not below rollout.multi_turn.tool_timeout_s=300, "
+            "so the loop would end each slow call before the tool's own timeout could tell the model why; set "
+            "call_timeout_s below 300 in the tool's config")) as error:
+        load_tools(MultiTurnConfig(tool_config_path=str(path)))
+    assert "raise rollout.multi_turn.tool_timeout_s above 350" in str(error.value) and "\n" not in str(error.value)
+    for loop_timeout in (None, 351.0):  # no loop timeout, or one above the tool's
+        assert load_tools(MultiTurnConfig(tool_config_path=str(path), tool_timeout_s=loop_timeout))
+    path.write_text("tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n"
+                    "    config: {sandbox_url: http://127.0.0.1:9}\n")
+    assert load_tools(MultiTurnConfig(tool_config_path=str(path)))["code_interpreter"].call_timeout_s == 280.0
+
+
 def test_the_check_before_training_passes_on_a_running_sandbox_and_names_a_dead_one(sandbox_url):
     CodeInterpreterTool({"sandbox_url": sandbox_url}).check()
     with pytest.raises(ValueError, match=r"sandbox does not work: the code sandbox at http://127.0.0.1:9 gave no "
