@@ -40,8 +40,8 @@ from reinforge.engine.memory_plan import ModelShape
 from reinforge.engine.perf import MEASURED_BF16_FLOPS, capped_sum
 
 COPY_BYTES_PER_S = 4.19e12
-"""Bytes per second a device-to-device copy reached on this project's H200 (2026-12-02, BENCHMARKS.md's
-decode-step profile): the most its memory gave; ``--bandwidth-tbps`` of the benches sets another device's."""
+"""Bytes per second a device-to-device copy reached on this project's H200 (2026-12-02, the decode-step
+profile of docs/performance.md): the most its memory gave; ``--bandwidth-tbps`` of the benches sets another device's."""
 
 MATMUL_FLOPS_PER_S = MEASURED_BF16_FLOPS["H200"]
 """FLOP/s a bf16 matrix product reached on the same H200 (``engine.perf``): the roofline's compute side."""
