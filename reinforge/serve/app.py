@@ -209,15 +209,31 @@ class OpenAIEndpoint:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         try:
-            async for chunk in chunks:
-                await response.write(sse(chunk))
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise  # the client hung up: nothing is left to send to
-        except Exception as error:
-            logger.exception("a streamed request failed")
-            await response.write(sse(error_body(f"{type(error).__name__}: {error}", "server_error")))
-        finally:
-            await chunks.aclose()
-        await response.write(SSE_DONE)
-        await response.write_eof()
+            try:
+                async for chunk in chunks:
+                    await _send(response, sse(chunk))
+            except (_HungUp, asyncio.CancelledError):
+                raise
+            except Exception as error:  # the generation's (an engine's ConnectionResetError too), not the client's
+                logger.exception("a streamed request failed")
+                await _send(response, sse(error_body(f"{type(error).__name__}: {error}", "server_error")))
+            finally:
+                await chunks.aclose()  # a client that hung up stops its generation here
+            await _send(response, SSE_DONE)
+            await response.write_eof()
+        except (_HungUp, ConnectionResetError):
+            # the client hung up while its reply was being written (before aiohttp saw the connection go and
+            # cancelled the handler): nothing is left to send to, and nothing failed on the server's side
+            logger.info("a client hung up mid-stream; its generation is stopped")
         return response
+
+
+class _HungUp(Exception):
+    """Writing to a client failed because it hung up."""
+
+
+async def _send(response: Any, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
+        raise _HungUp from None

@@ -366,6 +366,60 @@ def test_a_client_that_hangs_up_cancels_the_generation_it_waits_for(tool_tokeniz
         served.close()
 
 
+class ResetClient:
+    """A token client whose engine connection resets (an engine's error, not the HTTP client hanging up)."""
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        raise ConnectionResetError("the engine's connection was reset")
+
+
+def test_a_client_gone_while_its_stream_is_written_is_no_server_error_and_an_engines_reset_is_one(
+        tool_tokenizer, monkeypatch, caplog):
+    """A write to a client that had hung up was logged as a failed request with its traceback (and answered with a
+    500 after the stream's 200); an engine's ConnectionResetError was taken for the client hanging up, so the stream
+    ended with no error event and no [DONE]."""
+    import logging
+
+    from aiohttp import web
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    writes = []
+    write = web.StreamResponse.write
+
+    async def closing_write(self, data):
+        writes.append(data)
+        if len(writes) == 2 and b"one two" in data:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", closing_write)
+    served = served_text(tool_tokenizer, "one two")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+
+    def stream(url: str) -> str:
+        request = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read().decode()
+    try:
+        with caplog.at_level(logging.INFO, logger="reinforge.serve.app"):
+            assert stream(served.url).count("data: ") == 1  # the role; then the client was gone
+        assert [record.message for record in caplog.records if record.name == "reinforge.serve.app"] == [
+            "a client hung up mid-stream; its generation is stopped"]
+        assert served.endpoint.in_flight == 0
+    finally:
+        served.close()
+    service = GenerationService(ResetClient(), tool_tokenizer, "scripted", codec=ChatCodec(tool_tokenizer),
+                                max_model_len=4096, eos_token_ids=(tool_tokenizer.eos_token_id,))
+    served = Served(OpenAIEndpoint(service))
+    try:
+        events = stream(served.url).split("\n\n")
+        assert json.loads(events[-3].removeprefix("data: "))["error"]["message"] == (
+            "ConnectionResetError: the engine's connection was reset")
+        assert events[-2] == "data: [DONE]"
+    finally:
+        served.close()
+
+
 def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
     from reinforge.serve.command import build_client, load_model, resolve_model_folder
 
