@@ -322,6 +322,10 @@ def read_model_config(path: str, trust_remote_code: bool = False, key: str = "mo
         raise
     except Exception as error:  # noqa: BLE001 (a KeyError, ValueError, TypeError or a hub validator's own error)
         model_type = _declared_model_type(path)
+        if not trust_remote_code and "trust_remote_code" in str(error):  # its config.json maps to code it ships
+            raise ValueError(f"{key}={path} is a {model_type!r} model whose code ships with it (auto_map in its "
+                             f"config.json), which transformers runs only when trusted; set "
+                             f"{key.rpartition('.')[0]}.trust_remote_code=true if you trust that code") from None
         unknown = model_type is not None and ("does not recognize" in str(error) or model_type in str(error))
         if not unknown:
             raise unreadable_config(path, key, error) from error

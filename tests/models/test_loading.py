@@ -248,6 +248,16 @@ def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir,
     assert "model.trust_remote_code=true" in message
 
 
+def test_a_model_whose_code_ships_with_it_is_refused_naming_trust_remote_code(tiny_model_dir, tmp_path):
+    folder = tmp_path / "remote"
+    message = refused_load(tiny_model_dir, folder, model_type="own_lm",
+                           auto_map={"AutoConfig": "configuration_own.OwnConfig",
+                                     "AutoModelForCausalLM": "modeling_own.OwnForCausalLM"})
+    assert message == (f"model.path={folder} is a 'own_lm' model whose code ships with it (auto_map in its "
+                       "config.json), which transformers runs only when trusted; set model.trust_remote_code=true if "
+                       "you trust that code")
+
+
 def test_a_config_value_transformers_refuses_is_named_with_its_file(tiny_model_dir, tmp_path):
     folder = tmp_path / "typed"
     message = refused_load(tiny_model_dir, folder, num_attention_heads="four")
