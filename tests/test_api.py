@@ -173,6 +173,30 @@ def test_an_eval_dataset_is_evaluated_before_training_only_with_eval_on_start(tm
     assert GRPOConfig(eval_on_start=True).to_overrides()["trainer.val_before_train"] is True
 
 
+@pytest.mark.parametrize(("settings", "evaluated"), [
+    (dict(eval_strategy="no", eval_steps=1, eval_on_start=True, per_device_eval_batch_size=2), []),
+    (dict(eval_strategy="steps", eval_steps=2), [2, 4, 5]),
+    (dict(eval_strategy="steps", eval_steps=0.4), [2, 4, 5]),
+    (dict(eval_strategy="epoch"), [2, 4, 5]),
+])
+def test_eval_strategy_decides_when_the_eval_dataset_is_evaluated(tmp_path, tiny_model_dir, caplog, settings,
+                                                                  evaluated):
+    """TRL's eval_strategy='no' never evaluates (whatever eval_steps says); 'steps' every eval_steps steps (a
+    fraction of the run's below 1), 'epoch' at each epoch's end; reinforge evaluates at the end too."""
+    from reinforge import SFTTrainer
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=5, report_to="none",
+                                                        per_device_train_batch_size=2, **settings),
+                         train_dataset=rows, eval_dataset=rows)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert [row["step"] for row in read_metrics(tmp_path) if "val/loss" in row] == evaluated
+    assert not [record for record in caplog.records if "val" in record.getMessage()]
+    with pytest.raises(ValueError, match="eval_strategy='best': it is one of no, steps, epoch"):
+        SFTConfig(eval_strategy="best").to_overrides()
+
+
 def test_use_bias_correction_kl_is_taken_where_it_changes_nothing_and_said_where_it_would(caplog):
     """TRL 1.16 weighs the KL term by the importance ratio by default (use_bias_correction_kl=True); reinforge does
     not, which is the same run without a KL term, or with the correction turned off."""

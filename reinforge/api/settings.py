@@ -182,13 +182,56 @@ def _save_strategy(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
                      "save_strategy='steps' with save_steps, or 'no' (the end only)")
 
 
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+"""TRL's eval_strategy values: never evaluate the eval_dataset, every eval_steps steps, at each epoch's end."""
+
+TRL_LOGGING_STEPS = 10
+"""TRL's default logging_steps: the evaluation interval of eval_strategy='steps' without eval_steps, as in TRL."""
+
+
 def _eval_strategy(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value == "no":
-        return {"trainer.test_every": 0}
-    if value == "steps":
+    """'no' maps onto nothing: the eval_dataset is not given to the run at all (``evaluates``); 'epoch' is set on the
+    trainer once its data is read (``evaluation_interval``); 'steps' without eval_steps evaluates every
+    logging_steps steps, as TRL does."""
+    if value not in EVAL_STRATEGIES:
+        raise ValueError(f"eval_strategy={value!r}: it is one of {', '.join(EVAL_STRATEGIES)} (TRL's: never evaluate, "
+                         "every eval_steps steps, at each epoch's end); reinforge also evaluates at the end")
+    if value == "steps" and settings.get("eval_steps") is None:
+        interval = settings.get("logging_steps")
+        return {"trainer.test_every": _whole_steps("logging_steps", TRL_LOGGING_STEPS if interval is None
+                                                   else interval)}
+    return {}
+
+
+def _eval_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """Steps between evaluations; below 1, TRL's fraction of the run's steps (``evaluation_interval``). Nothing
+    under eval_strategy 'no' or 'epoch', which TRL's eval_steps does not change either."""
+    if value is None or settings.get("eval_strategy") in ("no", "epoch") or 0 < float(value) < 1:
         return {}
-    raise ValueError(f"eval_strategy={value!r}: reinforge evaluates every eval_steps steps and at the end; set "
-                     "eval_strategy='steps' with eval_steps, or 'no'")
+    return {"trainer.test_every": _whole_steps("eval_steps", value)}
+
+
+def _whole_steps(name: str, value: Any) -> int:
+    if float(value) != int(value) or value < 1:
+        raise ValueError(f"{name}={value}: give a whole number of steps, or a fraction of the run's steps below 1")
+    return int(value)
+
+
+def evaluates(settings: Mapping[str, Any]) -> bool:
+    """Whether a run of TRL's ``settings`` evaluates its eval_dataset: not under eval_strategy='no' (never)."""
+    return settings.get("eval_strategy") != "no"
+
+
+def evaluation_interval(settings: Mapping[str, Any], steps_per_epoch: int, total_steps: int) -> int | None:
+    """The steps between evaluations that TRL's ``settings`` ask for where they depend on the run's data (one epoch's
+    ``steps_per_epoch`` for eval_strategy='epoch'; a fraction of ``total_steps`` for eval_steps below 1); None
+    where the config's trainer.test_every holds them."""
+    strategy, steps = settings.get("eval_strategy"), settings.get("eval_steps")
+    if strategy == "epoch":
+        return max(1, steps_per_epoch)
+    if strategy != "no" and steps is not None and 0 < float(steps) < 1:
+        return max(1, math.ceil(total_steps * float(steps)))
+    return None
 
 
 def _max_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +243,7 @@ def _use_cpu(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _logged_every_step(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value not in (None, 1):
+    if value not in (None, 1) and not (settings.get("eval_strategy") == "steps" and settings.get("eval_steps") is None):
         logger.warning("logging_steps=%s: reinforge logs every step's metrics (metrics.jsonl, the loggers); the "
                        "setting changes nothing", value)
     return {}
@@ -302,9 +345,10 @@ RUN_SETTINGS: dict[str, Override] = {
     "save_steps": ("trainer.save_every", _to("trainer.save_every")),
     "save_strategy": ("trainer.save_every", _save_strategy),
     "save_total_limit": ("trainer.keep_last", _keep_last),
-    "eval_steps": ("trainer.test_every", lambda value, settings: {} if value is None else {"trainer.test_every": value}),
+    "eval_steps": ("trainer.test_every", _eval_steps),
     "eval_strategy": ("trainer.test_every", _eval_strategy),
-    "eval_on_start": ("trainer.val_before_train", _to("trainer.val_before_train")),
+    "eval_on_start": ("trainer.val_before_train", lambda value, settings: {
+        "trainer.val_before_train": value} if evaluates(settings) else {}),
     "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
     "data_seed": ("data.seed", lambda value, settings: {} if value is None else {"data.seed": value}),
     "logging_steps": ("(every step)", _logged_every_step),
@@ -441,7 +485,8 @@ SFT_SETTINGS: dict[str, Override] = {
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
-    "per_device_eval_batch_size": ("data.val_batch_size", _to("data.val_batch_size")),
+    "per_device_eval_batch_size": ("data.val_batch_size", lambda value, settings: {
+        "data.val_batch_size": value} if evaluates(settings) else {}),
 }
 
 

@@ -26,7 +26,16 @@ from reinforge.api.inputs import (
     whole_prompts,
     write_dataset,
 )
-from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
+from reinforge.api.settings import (
+    DPOConfig,
+    GRPOConfig,
+    RewardConfig,
+    SFTConfig,
+    evaluates,
+    evaluation_interval,
+    keyword_overrides,
+    load_settings,
+)
 from reinforge.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -54,6 +63,16 @@ def _named_as_given(args: Any) -> Iterator[None]:
             raise
         key = min(found)[1]
         raise type(error)(f"{sources[key]} ({type(args).__name__}) is reinforge's {key}: {message}") from None
+
+
+def _evaluates(args: Any) -> bool:
+    """Whether the eval_dataset is given to the run: not under TRL's eval_strategy='no', which never evaluates it (a
+    reinforge config given as args evaluates it, every trainer.test_every steps and at the end)."""
+    if not hasattr(args, "with_defaults") or evaluates(args.with_defaults()):
+        return True
+    logger.info("eval_strategy='no': the eval_dataset is not evaluated; set eval_strategy='steps' (with eval_steps) or "
+                "'epoch' to evaluate it")
+    return False
 
 
 def _check_train_data(config: Any, trainer: str) -> None:
@@ -128,6 +147,27 @@ class _Trainer:
             tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler, self.updates)
         if self.trainer is not None:
             self.trainer.stop_requested = self.callback_handler.stop_requested
+            self._evaluate_as_asked()
+
+    def _evaluate_as_asked(self) -> None:
+        """The evaluation interval of TRL's eval_strategy='epoch' (one epoch's steps) or of an eval_steps below 1 (a
+        fraction of the run's steps), which only the trainer's data gives: the run's loop validates on it. The
+        config keeps trainer.test_every as given, so a later run of the folder resumes with the same settings."""
+        loader = getattr(self.trainer, "train_loader", None)
+        if not hasattr(self.args, "with_defaults") or loader is None or getattr(self.trainer, "val_loader", 1) is None:
+            return
+        interval = evaluation_interval(self.args.with_defaults(), len(loader), int(self.trainer.total_steps))
+        if interval is None:
+            return
+        run_steps = self.trainer.run_steps
+
+        def run_steps_evaluating(*args: Any, **kwargs: Any) -> Any:
+            return run_steps(*args, **(kwargs | {"test_every": interval}))
+
+        self.trainer.run_steps = run_steps_evaluating
+        logger.info("the eval_dataset is evaluated every %d steps (%s) and at the end", interval * self.updates,
+                    "one epoch" if self.args.with_defaults().get("eval_strategy") == "epoch"
+                    else f"eval_steps={self.args.with_defaults().get('eval_steps')} of the run's steps")
 
     def _make_trainer(self) -> Any:
         """reinforge's trainer of ``self.config``."""
@@ -309,7 +349,7 @@ class GRPOTrainer(_Trainer):
         self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
-        if eval_dataset is not None:
+        if eval_dataset is not None and _evaluates(args):
             settings["data.val_files"] = write_dataset(eval_dataset, inputs, "eval")
         from reinforge.config import config_to_dict
         from reinforge.config.validate import validate_config
@@ -379,7 +419,7 @@ class _SupervisedTrainer(_Trainer):
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
             if not isinstance(args, schema):
                 self._add_row_settings(settings, train_dataset)
-        if eval_dataset is not None:
+        if eval_dataset is not None and _evaluates(args):
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         with _named_as_given(args):
             self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
