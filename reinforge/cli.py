@@ -368,7 +368,7 @@ def _plot(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """``reinforge bench [rollout|train|agent|modes|dpo|serve|table] ...`` (``reinforge.bench``)."""
+    """``reinforge bench [rollout|train|agent|modes|dpo|serve|table|kernels] ...`` (``reinforge.bench``)."""
     from reinforge.bench import bench_main
 
     return bench_main(argv)
@@ -422,7 +422,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
     "export": (_export, "write an HF model folder from a checkpoint"),
     "plot": (_plot, "render PNG plots of one or more runs' metrics.jsonl"),
-    "bench": (_bench, "speed on standard workloads: rollout (default), train, agent, modes, dpo, serve; table merges train runs"),
+    "bench": (_bench, "speed on standard workloads: rollout (default), train, agent, modes, dpo, serve; table merges train runs; kernels sweeps CUDA kernels"),
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
     "config": (_config, "translate a verl command line into a reinforge YAML (config from-verl KEY=VALUE ...)"),
     "sandbox": (_sandbox, "serve a code sandbox for tool-using agents (reinforge sandbox serve --port 8080)"),
@@ -442,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    # torch's own level, which its import sets only at its end: a Ctrl-C inside the import would otherwise leave its
+    # loggers at the root's INFO, and its exit hooks (FakeTensor's cache statistics) would print under our last line
+    logging.getLogger("torch").setLevel(logging.WARNING)
     command, _ = COMMANDS[argv[0]]
     import signal
     import threading

@@ -212,3 +212,19 @@ def test_reinforge_debug_0_keeps_the_one_line_errors(setting, traceback, monkeyp
     else:
         assert main(["train", "actor.optim.lrr=1"]) == 2
         assert capsys.readouterr().err.startswith("error: unknown key actor.optim.lrr")
+
+
+def test_torchs_loggers_stay_at_warning_though_its_import_is_interrupted(caplog):
+    """A Ctrl-C while torch imports (a run's first seconds) leaves its loggers unset, below the root's INFO that the
+    command line sets: FakeTensor's exit hook would then print its cache statistics under the run's last line."""
+    import logging
+
+    torch_logger = logging.getLogger("torch")
+    caplog.set_level(logging.INFO)
+    torch_logger.setLevel(logging.NOTSET)  # as before the end of torch's import
+    try:
+        with pytest.raises(SystemExit):  # argparse's own --help, after the logging is set
+            main(["sft", "--help"])
+        assert not logging.getLogger("torch._subclasses.fake_tensor").isEnabledFor(logging.INFO)
+    finally:
+        torch_logger.setLevel(logging.WARNING)
