@@ -149,6 +149,9 @@ class OpenAIEndpoint:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise RequestError(f"the request body is not JSON ({error}); send a JSON object") from None
+        except RecursionError:  # [[[[... a few thousand deep: the decoder's recursion limit, not a server failure
+            raise RequestError("the request body nests its JSON too deeply to read; send a JSON object of "
+                               "ordinary depth") from None
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(f"the request body is over the server's limit of {MAX_BODY_BYTES // (1024 * 1024)} "
                                "MiB; send a shorter conversation", status=413) from None

@@ -287,6 +287,9 @@ def test_unknown_routes_wrong_methods_oversized_bodies_and_non_boolean_flags_are
         status, _, body = answer("POST", "/v1/chat/completions", big)
         assert status == 413 and body["error"]["message"] == ("the request body is over the server's limit of 1 "
                                                               "MiB; send a shorter conversation")
+        for deep in (b"[" * 100000, b'{"a":' * 50000):  # each was a 500 with a RecursionError
+            status, _, body = answer("POST", "/v1/chat/completions", deep)
+            assert status == 400 and body["error"]["message"].startswith("the request body nests its JSON too deeply")
         client = served.client()
         for key in ("stream", "logprobs"):  # "false" streamed, as a true value
             with pytest.raises(openai.BadRequestError, match=f'{key}="false" is invalid; send true or false'):
