@@ -687,6 +687,12 @@ class TrainerConfig(RunConfig):
     (version + 1) x G + floor(max_staleness x G), G = trigger_sync_steps x data.train_batch_size."""
     trigger_sync_steps: int = 1
     """async: updates between weight syncs to the rollouter (each update takes data.train_batch_size groups)."""
+    max_in_flight_groups: Optional[int] = None
+    """async: the most prompt groups admitted and not yet taken by the trainer (generating, or finished and waiting),
+    rollout.n samples each, whatever max_staleness allows. None: G + floor(min(max_staleness, 2) x G), the staleness
+    bound's own up to max_staleness=2, so a larger max_staleness does not let the rollouter hold ever more samples.
+    At least data.train_batch_size; with async_deterministic at least G, as it counts the groups of the updates before
+    its version as taken (its admissions then do not depend on the trainer's timing)."""
     async_deterministic: bool = False
     """async: the weight syncs happen at fixed points of the rollouter's work, so two runs with the same seed
     train on the same groups with the same weight versions, to the same metrics and weights (a killed and

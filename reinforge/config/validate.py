@@ -461,6 +461,16 @@ def _check_modes(config: Config) -> None:
             fix=" (0: on-policy; each unit lets the rollouter run one weight version ahead)")
     if trainer.trigger_sync_steps < 1:
         raise ConfigError(f"trainer.trigger_sync_steps={trainer.trigger_sync_steps} must be at least 1")
+    if trainer.mode == "async" and trainer.max_in_flight_groups is not None:
+        # the trainer takes data.train_batch_size groups at once; deterministic mode admits a version's groups ahead
+        least, needs = config.data.train_batch_size, "data.train_batch_size (the groups of one update)"
+        if trainer.async_deterministic:
+            least *= trainer.trigger_sync_steps
+            needs = "trigger_sync_steps x data.train_batch_size (with trainer.async_deterministic)"
+        if trainer.max_in_flight_groups < least:
+            raise ConfigError(f"trainer.max_in_flight_groups={trainer.max_in_flight_groups} must be at least "
+                              f"{needs} = {least}, or the trainer waits forever for groups the rollouter may not "
+                              f"admit; set it to {least} or more, or null (from trainer.max_staleness)")
     if rollout.segment_tokens is not None and (
             rollout.segment_tokens < 1 or config.data.max_response_length % rollout.segment_tokens):
         raise ConfigError(f"rollout.segment_tokens={rollout.segment_tokens} must divide data.max_response_length="

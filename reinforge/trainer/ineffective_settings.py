@@ -139,7 +139,7 @@ IGNORED_WHEN: list[IgnoredWhen] = [
                 lambda config: config.rollout.name == "hf", "they are settings of the native engine and rollout.name "
                 "is hf", "set rollout.name=native"),
     IgnoredWhen(("trainer.max_staleness", "trainer.trigger_sync_steps", "trainer.async_deterministic",
-                 "rollout.segment_tokens"),
+                 "trainer.max_in_flight_groups", "rollout.segment_tokens"),
                 lambda config: config.trainer.mode != "async", "they are settings of trainer.mode=async",
                 "set trainer.mode=async"),
     IgnoredWhen(("trainer.separate_rollout", "trainer.proximal"), lambda config: config.trainer.mode == "sync",

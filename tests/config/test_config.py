@@ -441,6 +441,11 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     (["data.val_batch_size=0"], r"data.val_batch_size=0 must be at least 1, or null"),
     (["trainer.mode=async", "trainer.max_staleness=.inf"], r"trainer.max_staleness=inf must be a finite number >= 0"),
     (["trainer.mode=async", "trainer.max_staleness=nan"], r"trainer.max_staleness=nan must be a finite number >= 0"),
+    (["trainer.mode=async", "data.train_batch_size=4", "trainer.max_in_flight_groups=3"],
+     r"trainer.max_in_flight_groups=3 must be at least data.train_batch_size .* = 4, .*set it to 4 or more, or null"),
+    (["trainer.mode=async", "data.train_batch_size=4", "trainer.trigger_sync_steps=2", "trainer.async_deterministic=true",
+      "trainer.max_in_flight_groups=6"], r"trainer.max_in_flight_groups=6 must be at least trigger_sync_steps x "
+     r"data.train_batch_size \(with trainer.async_deterministic\) = 8"),
     (["trainer.mode=one_step_off", "algorithm.adv_estimator=remax"],
      r"remax needs a greedy rollout per step, which trainer.mode=one_step_off does not run; use trainer.mode=sync"),
 ])

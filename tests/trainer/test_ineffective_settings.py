@@ -49,6 +49,7 @@ WARNED = [
     ("rollout.shared_prefix_decode=true", [], "settings of the native engine"),
     ("trainer.max_staleness=2", ["trainer.mode=one_step_off"], "they are settings of trainer.mode=async"),
     ("trainer.trigger_sync_steps=2", [], "they are settings of trainer.mode=async"),
+    ("trainer.max_in_flight_groups=64", [], "they are settings of trainer.mode=async"),
     ("trainer.async_deterministic=true", ["trainer.mode=one_step_off"], "they are settings of trainer.mode=async"),
     ("rollout.segment_tokens=64", [], "they are settings of trainer.mode=async"),
     ("trainer.separate_rollout=true", [], "trainer.mode is sync"),

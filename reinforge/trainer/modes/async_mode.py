@@ -47,7 +47,7 @@ from reinforge.trainer.dynamic_sampling import concat_generated
 from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.device_turns import DeviceTurns
 from reinforge.trainer.modes.rollouter import Rollouter
-from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
+from reinforge.trainer.modes.staleness import StalenessBound, in_flight_limit, staleness_metrics
 from reinforge.trainer.modes.trainer_calls import TrainerCalls
 from reinforge.trainer.seeds import step_seed
 from reinforge.workers.rollout_side import seed_for
@@ -66,7 +66,8 @@ class AsyncMode:
             next_prompts=calls.next_prompts,
             generate=lambda batch, params: calls.generate(batch, params, 0).result(),
             score=calls.score, seed_of=lambda position, uid: request_seed(config, position, uid),
-            bound=StalenessBound(config.trainer.max_staleness, config.trainer.trigger_sync_steps * self.batch_size),
+            bound=StalenessBound(config.trainer.max_staleness, config.trainer.trigger_sync_steps * self.batch_size,
+                                 in_flight_limit(config)),
             sampling=calls.sampling, n=config.rollout.n,
             segment_tokens=config.rollout.segment_tokens or config.data.max_response_length,
             batch_size=self.batch_size, pad_token_id=calls.pad_token_id, turns=self.turns,

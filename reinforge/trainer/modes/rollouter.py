@@ -127,8 +127,14 @@ class Rollouter:
                 self._error = error
                 self.condition.notify_all()
 
+    def _capacity(self) -> int:
+        """Groups the bound admits now. In deterministic mode the cap on groups in flight counts as taken only
+        those of the updates before this version, so admissions do not depend on when the trainer takes its
+        batches."""
+        return self.bound.capacity(self.admitted, self.version, None if self.hold_ahead is not None else self.taken)
+
     def _admit(self) -> None:
-        while self.bound.capacity(self.admitted, self.version) > 0:
+        while self._capacity() > 0:
             if not self.waiting:
                 prompts = self.next_prompts()
                 self.waiting = groups_from_prompts(prompts, self.drawn, self.n, self.seed_of)
@@ -168,7 +174,7 @@ class Rollouter:
             self.condition.notify_all()
 
     def _wait_for_capacity(self) -> None:
-        self._wait(lambda: self.bound.capacity(self.admitted, self.version) > 0)
+        self._wait(lambda: self._capacity() > 0)
 
     def _wait_for_next_version(self) -> None:
         version = self.version
@@ -198,6 +204,7 @@ class Rollouter:
                 raise RuntimeError(f"the rollouter failed: {self._error}") from self._error
             taken, self.ready = self.ready[:num_groups], self.ready[num_groups:]
             self.taken += len(taken)
+            self.condition.notify_all()  # room for groups in flight (trainer.max_in_flight_groups)
         return sorted(taken, key=lambda item: item[0].position)
 
     def wait_until_parked(self) -> None:

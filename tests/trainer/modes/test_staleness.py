@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
+from reinforge.config import load_config
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.trainer.modes.device_turns import DeviceTurns
 from reinforge.trainer.modes.rollouter import Rollouter
-from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
+from reinforge.trainer.modes.staleness import StalenessBound, in_flight_limit, staleness_metrics
 
 BATCH, N, RESPONSE, SEGMENT = 3, 2, 12, 3
 
@@ -161,3 +162,51 @@ def test_a_fractional_staleness_lets_that_fraction_of_a_versions_groups_start_ea
     assert StalenessBound(max_staleness=0.1, groups_per_version=8).limit(0) == 8  # less than a group: none early
     assert StalenessBound(max_staleness=1, groups_per_version=8).limit(0) == 16
 
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_large_staleness_holds_no_more_groups_in_flight_than_the_cap(deterministic):
+    """max_staleness=100 admitted 101 versions' groups at once: every segment ran them all, and the finished ones
+    piled up unread."""
+    cap = 2 * BATCH
+    rows_per_segment: list[int] = []
+    generate = slow_random_engine(3)
+
+    def recording_engine(batch: Batch, sampling: SamplingParams) -> Batch:
+        rows_per_segment.append(len(batch))
+        return generate(batch, sampling)
+
+    rollouter = Rollouter(next_prompts=prompt_source(), generate=recording_engine, score=score,
+                          seed_of=lambda position, uid: position, bound=StalenessBound(100, BATCH, max_in_flight=cap),
+                          sampling=SamplingParams(max_tokens=RESPONSE), n=N, segment_tokens=SEGMENT,
+                          batch_size=BATCH, pad_token_id=0, turns=DeviceTurns(), hold_ahead=0 if deterministic else None)
+    in_flight: list[int] = []
+    rollouter.start()
+    try:
+        for update in range(8):
+            time.sleep(0.003)
+            with rollouter.condition:
+                in_flight.append(rollouter.admitted - rollouter.taken)
+            rollouter.take(BATCH)
+            if deterministic:
+                rollouter.wait_until_parked()
+            with rollouter.turns.trainer():
+                rollouter.set_version(update + 1)
+    finally:
+        rollouter.stop()
+    assert max(in_flight) <= cap and max(rows_per_segment) <= cap * N
+    assert rollouter.admitted - rollouter.taken <= cap
+
+
+def test_the_cap_on_groups_in_flight_defaults_to_the_bound_up_to_two_versions_ahead():
+    def limit(*overrides: str) -> int:
+        return in_flight_limit(load_config(None, ["trainer.mode=async", "data.train_batch_size=4", *overrides]))
+
+    assert limit("trainer.max_staleness=1") == 8 and limit("trainer.max_staleness=0.5") == 6
+    assert limit("trainer.max_staleness=100") == 12 and limit("trainer.max_staleness=100",
+                                                                "trainer.trigger_sync_steps=2") == 24
+    assert limit("trainer.max_staleness=100", "trainer.max_in_flight_groups=40") == 40
+    bound = StalenessBound(max_staleness=100, groups_per_version=4, max_in_flight=8)
+    assert bound.capacity(admitted=10, version=0, taken=4) == 2  # 6 in flight
+    assert bound.capacity(admitted=10, version=1) == 2  # deterministic: the 4 groups of version 0 count as taken
+    assert bound.capacity(admitted=10, version=0) == 0
