@@ -300,7 +300,11 @@ class GenerationService:
         if options is not None and not isinstance(options, dict):
             raise RequestError(f"stream_options={options!r} is invalid; send an object such as "
                                '{"include_usage": true}')
-        return bool((options or {}).get("include_usage"))
+        value = (options or {}).get("include_usage")
+        if value is not None and not isinstance(value, bool):  # "false" would have been taken for true
+            raise RequestError(f"stream_options.include_usage={json.dumps(value)[:80]} is invalid; send true or false",
+                               param="stream_options")
+        return bool(value)
 
     def _chat_call(self, body: dict[str, Any], session: ChatSession | None) -> ChatCall:
         """A chat request body checked and rendered; raises RequestError before anything is sampled."""

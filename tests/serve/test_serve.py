@@ -295,6 +295,9 @@ def test_unknown_routes_wrong_methods_oversized_bodies_and_non_boolean_flags_are
             with pytest.raises(openai.BadRequestError, match=f'{key}="false" is invalid; send true or false'):
                 client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
                                                extra_body={key: "false"})
+        with pytest.raises(openai.BadRequestError, match='stream_options.include_usage="false" is invalid'):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True,
+                                           stream_options={"include_usage": "false"})  # the usage was sent
         assert client.models.retrieve("scripted").id == "scripted"
         with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' is not served here"):
             client.models.retrieve("gpt-4o")
