@@ -426,17 +426,44 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
             config = read_model_config(path, trust_remote_code)
             model_class = causal_lm_class(config)  # a VLM: the tower and the LM
             try:
-                model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                   attn_implementation=attn_implementation, **placement,
-                                                   **NO_HUB_KERNELS)
+                with HeldLoadReport() as report:
+                    model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                       attn_implementation=attn_implementation, **placement,
+                                                       **NO_HUB_KERNELS)
             except ImportError as error:  # a package its modules need (Gemma 3n's vision tower: timm), in one line
                 raise ImportError(f"model.path={path} is a {config.model_type!r} model, which transformers cannot "
                                   f"build here: {' '.join(str(error).split())}") from error
+            except RuntimeError as error:
+                mismatch = _mismatched_weights(report)
+                if mismatch is None or "ignore_mismatched_sizes" not in str(error):
+                    report.release()
+                    raise
+                raise ValueError(f"model.path={path}: its weights do not fit its config.json ({mismatch}); fix "
+                                 "config.json's sizes to the weights', or point model.path at the folder they came "
+                                 "with") from None
+            report.release()
     model.to(device)
     model.config.use_cache = False
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MISMATCH_ROW = re.compile(r"^\s*(\S[^|]*?)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
+                           r"model:\s*torch\.Size\((\[[^\]]*\])\)")
+
+
+def _mismatched_weights(report: HeldLoadReport) -> str | None:
+    """What a held load report says of weights whose shapes differ from those the config builds, in a few words
+    (how many, the first one's name and shapes); None where it names none."""
+    rows = [match for record in report.records for line in _ANSI.sub("", record.getMessage()).splitlines()
+            if (match := _MISMATCH_ROW.match(line))]
+    if not rows:
+        return None
+    name, stored, built = rows[0].groups()
+    more = f", and {len(rows) - 1} more tensors" if len(rows) > 1 else ""
+    return f"{name} is {stored} in the weights, {built} in the model config.json builds{more}"
 
 
 def tokens_read_otherwise(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> list[str]:

@@ -1,5 +1,6 @@
 import json
 import logging
+import re
 import shutil
 import warnings
 
@@ -256,6 +257,19 @@ def test_a_model_whose_code_ships_with_it_is_refused_naming_trust_remote_code(ti
     assert message == (f"model.path={folder} is a 'own_lm' model whose code ships with it (auto_map in its "
                        "config.json), which transformers runs only when trusted; set model.trust_remote_code=true if "
                        "you trust that code")
+
+
+def test_weights_of_other_shapes_than_the_config_builds_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys,
+                                                                                caplog):
+    """transformers logs its load report table, then raises pointing at it: one line of ours instead of both."""
+    folder = tmp_path / "resized"
+    with caplog.at_level(logging.WARNING):
+        message = refused_load(tiny_model_dir, folder, hidden_size=128)
+    assert "\n" not in message and "LOAD REPORT" not in caplog.text + capsys.readouterr().err
+    assert re.fullmatch(rf"model\.path={re.escape(str(folder))}: its weights do not fit its config\.json \(\S.* is "
+                        r"\[[0-9, ]+\] in the weights, \[[0-9, ]+\] in the model config\.json builds, and \d+ more "
+                        r"tensors\); fix config\.json's sizes to the weights', or point model\.path at the folder they "
+                        "came with", message)
 
 
 def test_a_config_value_transformers_refuses_is_named_with_its_file(tiny_model_dir, tmp_path):
