@@ -97,6 +97,10 @@ DEFAULT_MAX_N = 128
 """The most choices one request may ask for (``n``) unless ``reinforge serve --max-n`` says otherwise: each is a
 sequence the engine samples, so an unbounded ``n`` is a request that fills the server's memory."""
 
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1000
+"""The most stop strings a request may send, and the longest one (OpenAI takes 4)."""
+
 MAX_TOP_LOG_PROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's chat bound, vLLM's default max_logprobs)."""
 
@@ -183,7 +187,15 @@ class GenerationService:
         strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else [stop]
         if not all(isinstance(text, str) and text for text in strings):
             raise RequestError(f"stop={stop!r} is invalid; send a string or a list of strings")
-        return list(dict.fromkeys(strings))
+        strings = list(dict.fromkeys(strings))
+        # every sampled token of every choice is searched for each of them, on the engine's loop: thousands of stop
+        # strings, or one of megabytes, slowed every request the engine was serving
+        if len(strings) > MAX_STOP_STRINGS or any(len(text) > MAX_STOP_CHARS for text in strings):
+            longest = max(len(text) for text in strings)
+            raise RequestError(f"stop has {len(strings)} strings, the longest of {longest} characters; send at most "
+                               f"{MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each",
+                               param="stop")
+        return strings
 
     def _sampling(self, body: dict[str, Any], prompt_length: int, stop_ids: tuple[int, ...],
                   stop: list[str] | tuple[str, ...] = ()) -> SamplingParams:

@@ -249,6 +249,12 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
                 client.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                   **options})
             assert error.value.body["message"].startswith(message), error.value.body
+        for stop in ([f"s{index}" for index in range(33)], ["x" * 1001]):  # each was searched at every token
+            with pytest.raises(openai.BadRequestError, match=f"stop has {len(stop)} strings, the longest of "
+                                                             f"{len(stop[-1])} characters; send at most 32 stop "
+                                                             "strings of at most 1000 characters each"):
+                client.completions.create(model="m", prompt="x", stop=stop)
+        assert client.completions.create(model="m", prompt="x", stop=["t"] * 40 + ["x" * 1000]).choices[0].text == "one "
         sampling = served.endpoint.service._sampling({"top_k": 5, "min_p": 0.1}, 3, ())  # vLLM's extra sampling keys
         assert (sampling.top_k, sampling.min_p) == (5, 0.1)
         with pytest.raises(openai.NotFoundError, match="trajectory 'nope' is not open"):
