@@ -368,7 +368,7 @@ def _plot(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """``reinforge bench [rollout|train|agent|modes|dpo|serve|table] ...`` (``reinforge.bench``)."""
+    """``reinforge bench [rollout|train|agent|modes|dpo|serve|table|kernels] ...`` (``reinforge.bench``)."""
     from reinforge.bench import bench_main
 
     return bench_main(argv)
@@ -422,7 +422,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
     "export": (_export, "write an HF model folder from a checkpoint"),
     "plot": (_plot, "render PNG plots of one or more runs' metrics.jsonl"),
-    "bench": (_bench, "speed on standard workloads: rollout (default), train, agent, modes, dpo, serve; table merges train runs"),
+    "bench": (_bench, "speed on standard workloads: rollout (default), train, agent, modes, dpo, serve; table merges train runs; kernels sweeps CUDA kernels"),
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
     "config": (_config, "translate a verl command line into a reinforge YAML (config from-verl KEY=VALUE ...)"),
     "sandbox": (_sandbox, "serve a code sandbox for tool-using agents (reinforge sandbox serve --port 8080)"),

@@ -7,7 +7,9 @@
 - ``modes``: the sync, one_step_off and async training modes on a long-tailed workload (``modes.py``);
 - ``dpo``: DPO steps of ``reinforge dpo`` against TRL's DPOTrainer (``dpo.py``);
 - ``serve``: concurrent chat requests through ``reinforge serve``'s HTTP endpoint against the same in process (``serve.py``);
-- ``table``: one table from the JSON files that ``train --out DIR`` wrote, over one or more folders.
+- ``table``: one table from the JSON files that ``train --out DIR`` wrote, over one or more folders;
+- ``kernels``: one-off sweeps of single CUDA kernels (decode attention's tilings, decode products, a rollout's
+  kernels, the soft-capped attention's tilings, the varlen attention kernels), no CPU mode (``kernels/``).
 
 They measure; nothing in the library imports them.
 """
@@ -24,13 +26,15 @@ SUBCOMMANDS = {
     "dpo": "DPO steps (64 pairs of 512-token completions on a 1.5B shape); --trl runs TRL's DPOTrainer beside it",
     "serve": "256 concurrent chat requests through the HTTP endpoint against the same requests in process",
     "table": "one markdown table from the JSON files of `bench train --out DIR` runs (DIR [DIR ...])",
+    "kernels": "one CUDA kernel sweep into OUT.json: WHICH OUT.json (decode-attention, decode-products, "
+               "rollout-kernels, softcap-attention, varlen-attention)",
 }
 
 
 def bench_main(argv: list[str]) -> int:
     """``reinforge bench [SUBCOMMAND] ...``: SUBCOMMAND defaults to ``rollout``."""
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: reinforge bench [rollout|train|agent|modes|dpo|serve|table] [options]   (--help after one for its options)")
+        print("usage: reinforge bench [rollout|train|agent|modes|dpo|serve|table|kernels] [options]   (--help after one for its options)")
         width = max(map(len, SUBCOMMANDS))
         for name, summary in SUBCOMMANDS.items():
             print(f"  {name:<{width}}  {summary}")
@@ -64,6 +68,10 @@ def bench_main(argv: list[str]) -> int:
         from reinforge.bench.table import table_main
 
         return table_main(rest)
+    if name == "kernels":
+        from reinforge.bench.kernels import kernels_main
+
+        return kernels_main(rest)
     from reinforge.bench.rollout import bench_main as rollout_main
 
     return rollout_main(rest)

@@ -1,4 +1,4 @@
-"""``python -m reinforge.bench [rollout|train|agent|modes|dpo|serve|table] ...``, the same as ``reinforge bench``."""
+"""``python -m reinforge.bench [rollout|train|agent|modes|dpo|serve|table|kernels] ...``, the same as ``reinforge bench``."""
 
 import sys
 

@@ -280,7 +280,7 @@ FORWARD_BLOCKS: dict[int, tuple[Tiling, ...]] = {
 forward's tilings, fastest first; where a device lacks the shared memory for one, the next is taken (``_launch``).
 A (64, 32) tile at bf16 head dim 256 keeps q and two stages of k and v in 48 KiB (float32 at 256 takes the 512 row).
 The 256 row is the fastest of 60 tilings at Gemma 2's training shape on an H200
-(``benchmarks/softcap_attention_tilings.py``)."""
+(``reinforge bench kernels softcap-attention``)."""
 BACKWARD_KV_BLOCKS: dict[int, tuple[Tiling, ...]] = {
     64: ((32, 64, 4, 2),), 128: ((32, 64, 8, 2),), 256: ((64, 32, 4, 2), (32, 32, 8, 1)), 512: ((16, 32, 8, 1),)}
 """The same for the backward's dk and dv kernel: dk and dv (BLOCK_N x head dim each, float32) stay in registers.
@@ -364,7 +364,7 @@ def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
               window: int, kv_blocks: Tiling | None = None,
               q_blocks: Tiling | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv; ``kv_blocks`` and ``q_blocks`` (BLOCK_M, BLOCK_N, warps, stages) replace each kernel's tiling
-    from the tables (``benchmarks/softcap_attention_tilings.py`` times them)."""
+    from the tables (``reinforge bench kernels softcap-attention`` times them)."""
     q, k, v, grad_out = (_last_dim_contiguous(x) for x in (q, k, v, grad_out.to(q.dtype)))
     total_q, heads, head_dim = q.shape
     # zeros: tokens outside every segment (none in a packed row) get no gradient

@@ -52,7 +52,7 @@ class DecodeTiling:
     elementwise: bool = False
     """Scores and values as float32 products on the CUDA cores instead of matrix products (no query rows padded
     to 16; ``decode_kernels._attend_blocks``). Not chosen by ``decode_tiling``: an option for the tilings bench
-    (``benchmarks/decode_attention_tilings.py``), where it measured slower at every shape timed."""
+    (``reinforge bench kernels decode-attention``), where it measured slower at every shape timed."""
 
     def options(self) -> dict[str, int | bool | None]:
         """``paged_decode_attention``'s keyword arguments for this tiling."""

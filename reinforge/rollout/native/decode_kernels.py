@@ -391,7 +391,7 @@ def decode_tiling(batch: int, num_kv_heads: int, head_dim: int, max_context_len:
 
     Below ``SPLIT_MIN_CONTEXT`` the unsplit kernel in 64-token blocks. Past it, a model-dtype cache of heads of 128
     dims or fewer whose batch alone fills the SMs' waves (``WAVE_EFFICIENCY``) stays unsplit and reads 128-token
-    blocks in 3 stages: measured on an H200 (``benchmarks/decode_attention_tilings.py --shape 1.5b-long``; 128
+    blocks in 3 stages: measured on an H200 (``reinforge bench kernels decode-attention --shape 1.5b-long``; 128
     sequences of 12 query and 2 KV heads of 128 dims) it was the fastest tiling at every context from 1,024 to
     16,384 tokens, 16% faster than 5 splits of 64-token blocks at 1,024 and 2-6% from 4,096 on, with no merge
     kernel; inside the 1.5B decode graph at 128 sequences and 2,175 tokens the step's attention took 2.01 ms
@@ -403,7 +403,7 @@ def decode_tiling(batch: int, num_kv_heads: int, head_dim: int, max_context_len:
 
     A model-dtype cache read unsplit by one query head a KV head (every head kept: Phi-3, OLMo 2) launches its
     programs KV heads first (``DecodeTiling.heads_first``), so programs launched together read one token row's
-    heads side by side: measured on an H200 (``benchmarks/decode_attention_tilings.py --candidates``) at 512
+    heads side by side: measured on an H200 (``reinforge bench kernels decode-attention --candidates``) at 512
     sequences of 256, 384 and 640 tokens it read Phi-3-mini's 32 heads of 96 dims 5-7% faster (0.430 against 0.459
     ms a layer at 256) and OLMo-2-1B's 16 of 128 2% faster.
 
@@ -433,7 +433,7 @@ def default_num_warps(head_dim: int, num_splits: int, quantized: bool) -> int:
     """Warps of a decode attention program: 2 for the unsplit bf16 kernel on heads of 64 dims or fewer, 8 for the
     split kernel cut into ``MANY_SPLITS`` or more, else 4.
 
-    Measured on an H200 (``benchmarks/decode_attention_tilings.py``): 512 sequences of 14 query and 2 KV heads of
+    Measured on an H200 (``reinforge bench kernels decode-attention``): 512 sequences of 14 query and 2 KV heads of
     64 dims at contexts of 256, 384 and 640 tokens run 9-16% faster on 2 warps than on 4 (``--shape 0.5b``), the
     fastest tiling at each context; 8 sequences of 12 query and 2 KV heads of 128 dims at 8,192 tokens, in 64
     splits, read their cache at 1.30 TB/s on 8 warps and 3 stages against 0.89 on 4 and 2, the fastest tiling there.

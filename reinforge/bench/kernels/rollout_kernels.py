@@ -1,6 +1,6 @@
 """The standard rollout of a bench shape on the native engine: its time, its phases and the decode step's kernels (CUDA).
 
-    python3 benchmarks/rollout_kernels.py SHAPE [OUT.json]
+    reinforge bench kernels rollout-kernels OUT.json --shape SHAPE
 
 SHAPE is a shape of ``reinforge bench train --model`` (``reinforge/bench/shapes.py``), built with random bf16 weights on
 the device, read in place by the engine (``weights_fixed``), which may take 92% of the device's memory (so every
@@ -8,28 +8,37 @@ sequence of the workload fits at once, as in training, where the planner sizes t
 of 128 random tokens, 8 samples each, 512 tokens each (EOS ignored), temperature 1. Two rollouts run first (the first
 compiles and captures), the second timed; a third runs with each engine phase synchronized; then the captured decode
 step of the largest batch (512) replays under torch.profiler, with the cache as the last step left it, and its kernels
-are printed by device time.
+are printed by device time. Results go to OUT.json at the end.
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import argparse
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-from reinforge.bench.rollout import random_prompts
-from reinforge.bench.rollout_context import build_shape_model
-from reinforge.bench.rollout_profile import _graph_kernels, _timed
-from reinforge.rollout.base import GenerationRequest, SamplingParams
-from reinforge.rollout.native import NativeEngine
+from reinforge.bench.shapes import SHAPES
+from reinforge.bench.table import write_json
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS = 64, 8, 128, 512
 
 
-def main(shape: str, out: str | None) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", required=True, choices=list(SHAPES),
+                        help="a shape of reinforge bench train --model, built with random bf16 weights")
+
+
+def run(args: argparse.Namespace) -> None:
+    from reinforge.bench.rollout import random_prompts
+    from reinforge.bench.rollout_context import build_shape_model
+    from reinforge.bench.rollout_profile import _graph_kernels, _timed
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    shape = args.shape
     model = build_shape_model(shape, torch.bfloat16, torch.device("cuda"))
     vocab = model.config.vocab_size
     engine = NativeEngine(model, eos_token_ids=[vocab - 1], max_model_len=PROMPT_TOKENS + RESPONSE_TOKENS + 16,
@@ -64,12 +73,4 @@ def main(shape: str, out: str | None) -> None:
     print(f"the captured decode step of {batch} sequences: {total:.0f} us of device time")
     for row in result["graph_kernels"][:30]:
         print(f"  {row['us_per_step']:8.1f} us  {row['launches_per_step']:5.0f} x  {row['kernel'][:110]}")
-    if out:
-        with open(out, "w") as file:
-            json.dump(result, file, indent=2)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit(__doc__.split("\n\n")[1].strip())
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None)
+    write_json(Path(args.out), result)

@@ -1,6 +1,6 @@
 """Packed causal attention, forward and backward, by each varlen kernel PyTorch ships (CUDA).
 
-    python3 benchmarks/varlen_attention_backends.py OUT.json
+    reinforge bench kernels varlen-attention OUT.json
 
 Times the flash kernel the training forward runs today (``aten._flash_attention_forward``/``_backward``, key and
 value heads shared by their query heads) against cuDNN's ragged attention (``aten._cudnn_attention_forward``/
@@ -14,25 +14,38 @@ mask. It prints one line a case and writes every time to OUT.json.
 
 from __future__ import annotations
 
-import json
-import sys
+import argparse
+from pathlib import Path
 
 import torch
-import triton.testing
+
+from reinforge.bench.kernels.timing import failure_text, median_ms, relative_error
+from reinforge.bench.table import write_json
 
 CASES = (  # name, segments, segment length, query heads, KV heads, head dim
     ("1.5b-8k", 5, 8320, 12, 2, 128),
     ("1.5b-640", 76, 640, 12, 2, 128),
     ("7b-8k", 3, 8320, 28, 4, 128),
 )
+BACKWARD_FLOP_RATIO = 2.5
+"""The backward's FLOPs over the forward's: four products against two, plus recomputing the scores."""
 
 
-def bench(function) -> float:
-    return triton.testing.do_bench(function, warmup=3, rep=30, return_mode="median")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options besides OUT.json."""
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+def causal_forward_flops(segments: int, length: int, heads: int, dim: int) -> float:
+    """FLOPs of the causal forward (scores and values, 2 each a multiply-add) over ``segments`` of ``length``: each
+    query sees itself and the keys before it."""
+    return 4 * segments * (length * (length + 1) / 2) * heads * dim
+
+
+def kernel_row(forward_ms: float, both_ms: float, flops_forward: float, error: float) -> dict:
+    """One kernel's times at one case as the JSON lists them (the backward: both less the forward)."""
+    backward_ms = both_ms - forward_ms
+    return {"forward_ms": forward_ms, "backward_ms": backward_ms, "forward_tflops": flops_forward / forward_ms / 1e9,
+            "backward_tflops": BACKWARD_FLOP_RATIO * flops_forward / backward_ms / 1e9, "max_relative_error": error}
 
 
 def flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
@@ -53,6 +66,10 @@ def cudnn_expanded(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 KERNELS = {"flash": flash, "cudnn": cudnn, "cudnn_expanded": cudnn_expanded}
 
 
+def bench(function) -> float:
+    return median_ms(function, warmup=3, rep=30)
+
+
 def run_case(name, segments, length, heads, kv_heads, dim) -> dict:
     device, dtype = torch.device("cuda"), torch.bfloat16
     tokens = segments * length
@@ -63,7 +80,7 @@ def run_case(name, segments, length, heads, kv_heads, dim) -> dict:
     grad = torch.randn(tokens, heads, dim, device=device, dtype=dtype, generator=generator)
     cu = torch.arange(0, tokens + 1, length, device=device, dtype=torch.int32)
     scale = dim ** -0.5
-    flops_forward = 4 * segments * (length * (length + 1) / 2) * heads * dim
+    flops_forward = causal_forward_flops(segments, length, heads, dim)
     row: dict = {"case": name, "tokens": tokens, "forward_tflop": flops_forward / 1e12}
     reference = None
     for kernel_name, kernel in KERNELS.items():
@@ -81,15 +98,11 @@ def run_case(name, segments, length, heads, kv_heads, dim) -> dict:
             torch.cuda.synchronize()
             if reference is None:
                 reference = (out, *grads)
-            error = max(relative(a, b) for a, b in zip((out, *grads), reference, strict=True))
+            error = relative_error((out, *grads), reference)
             forward_ms = bench(lambda forward=forward: forward().detach())
-            both_ms = bench(both)
-            row[kernel_name] = {"forward_ms": forward_ms, "backward_ms": both_ms - forward_ms,
-                                "forward_tflops": flops_forward / forward_ms / 1e9,
-                                "backward_tflops": 2.5 * flops_forward / (both_ms - forward_ms) / 1e9,
-                                "max_relative_error": error}
+            row[kernel_name] = kernel_row(forward_ms, bench(both), flops_forward, error)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot run this case is reported, not fatal
-            row[kernel_name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+            row[kernel_name] = {"error": failure_text(error)}
     return row
 
 
@@ -102,34 +115,33 @@ def alignment() -> dict:
     v = torch.stack([torch.zeros(1, 64), torch.ones(1, 64)]).to(device, dtype)
     cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 2], dtype=torch.int32, device=device)
-    found = {}
+    found: dict = {}
     for kernel_name in ("flash", "cudnn"):
         try:
             out = KERNELS[kernel_name](q, k, v, cu_q, cu_k, 1, 2, 1.0)
             found[kernel_name] = float(out.float().mean())
         except Exception as error:  # noqa: BLE001
-            found[kernel_name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            found[kernel_name] = failure_text(error)
     return found
 
 
-def main() -> None:
+def case_line(row: dict) -> str:
+    """One printed line of a case: each kernel's times and error, or its failure."""
+    parts = []
+    for kernel_name in KERNELS:
+        found = row[kernel_name]
+        parts.append(f"{kernel_name} {found['error']}" if "error" in found else
+                     f"{kernel_name} fwd {found['forward_ms']:.2f} ms ({found['forward_tflops']:.0f} TF/s) "
+                     f"bwd {found['backward_ms']:.2f} ms ({found['backward_tflops']:.0f} TF/s) "
+                     f"err {found['max_relative_error']:.1e}")
+    return f"{row['case']}: " + " | ".join(parts)
+
+
+def run(args: argparse.Namespace) -> None:
     rows = [run_case(*case) for case in CASES]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version(), "rows": rows, "alignment": alignment()}
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as file:
-            json.dump(result, file, indent=1)
+    write_json(Path(args.out), result)
     for row in rows:
-        parts = []
-        for kernel_name in KERNELS:
-            found = row[kernel_name]
-            parts.append(f"{kernel_name} {found['error']}" if "error" in found else
-                         f"{kernel_name} fwd {found['forward_ms']:.2f} ms ({found['forward_tflops']:.0f} TF/s) "
-                         f"bwd {found['backward_ms']:.2f} ms ({found['backward_tflops']:.0f} TF/s) "
-                         f"err {found['max_relative_error']:.1e}")
-        print(f"{row['case']}: " + " | ".join(parts))
+        print(case_line(row))
     print(f"alignment (0.5: to the end of the keys): {result['alignment']}")
-
-
-if __name__ == "__main__":
-    main()
