@@ -203,7 +203,7 @@ def entry_point(module: str | None) -> EntryPoint:
     if module in SFT_MODULES:
         raise ConfigError(f"-m {module} (verl command line) is verl's SFT trainer, which --from-verl does not "
                           "translate; fine-tune with `reinforge sft CONFIG.yaml a.b=c ...` on rows of chat messages "
-                          "(its keys: `reinforge sft --help`; the README's SFT paragraph)")
+                          "(its keys: `reinforge sft --help`; docs/training.md's SFT section)")
     raise ConfigError(f"-m {module} (verl command line) is not an entry point reinforge translates; it takes "
                       f"{', '.join(ENTRY_POINTS)}")
 
