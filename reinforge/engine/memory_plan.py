@@ -810,6 +810,9 @@ class RunShape:
     off_policy: bool = False
     """trainer.mode one_step_off or async: the rollout keeps its own copy of the weights (the last synced
     version) and generates while the update runs, so its memory stays allocated."""
+    rollout_weights_on_host: bool = False
+    """trainer.mode=async with trainer.trigger_sync_steps > 1: a validation or a checkpoint between two syncs copies
+    the rollout's own weights (the whole model in the compute dtype) to the host, once for the run."""
     reward_model: ModelShape | None = None
     """reward.reward_model on these devices: its sizes (a ``reward`` phase scores with it)."""
     reward_model_offload: bool = True
@@ -1184,7 +1187,14 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings,
         phases["reward"] = reward_phase(run, settings, resident | kept)
     if run.judge is not None:
         phases["judge"] = judge_phase(run, kv_cache, resident | kept)
-    return phases, {name: value * run.devices_per_host for name, value in host.items()}
+    host = {name: value * run.devices_per_host for name, value in host.items()}
+    if run.rollout_weights_on_host:  # one copy, from the rollout's first rank (not one a process)
+        host[ROLLOUT_WEIGHTS_ON_HOST] = dtype_bytes * params
+    return phases, host
+
+
+ROLLOUT_WEIGHTS_ON_HOST = "rollout weights between syncs"
+"""The host's copy of the async rollout's weights while a validation or a checkpoint lands between two syncs."""
 
 
 def peak_bytes(phases: dict[str, dict[str, float]]) -> tuple[str, float]:
@@ -1420,6 +1430,9 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                     dataclasses.replace(run, prompts=max(run.prompts // 2, 1))),
                    (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
                     dataclasses.replace(run, num_devices=run.num_devices * 2, devices_per_host=run.devices_per_host * 2))]
+        if run.rollout_weights_on_host:  # a sync after every update: the rollout's weights are the trainer's
+            options.insert(0, ("trainer.trigger_sync_steps=1 (no copy of the rollout's weights on the host)",
+                               dataclasses.replace(run, rollout_weights_on_host=False)))
         if run.critic and not run.critic_offload:  # the critic's state is no planned setting: the user's to move
             options.insert(0, ("critic.optimizer_offload=true", dataclasses.replace(run, critic_offload="optimizer")))
         # half the KV bytes (docs/long_responses.md), where the native engine keeps the cache

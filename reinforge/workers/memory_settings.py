@@ -86,6 +86,8 @@ def run_shape(config: Config) -> RunShape:
                     reference=reference_needed(config), critic=critic_enabled(config), **_critic_shape(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora, _model_type(config.model.path)),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
+                    # validation and checkpoints between two syncs copy the rollout's weights to the host
+                    rollout_weights_on_host=config.trainer.mode == "async" and config.trainer.trigger_sync_steps > 1,
                     # another engine (hf, the native one's fallback, a package's) keeps it in the model dtype
                     kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")) if native else "auto",
                     native_engine=native,

@@ -286,3 +286,14 @@ def test_cpu_processes_of_one_machine_plan_for_their_share_of_its_memory(config,
     assert memory_settings.device_memory_bytes(config) == 64 * GiB
     config.trainer.backend, config.trainer.devices_per_node = "ray", 4
     assert memory_settings.device_memory_bytes(config) == 16 * GiB
+
+
+def test_async_between_syncs_plans_the_hosts_copy_of_the_rollouts_weights(config):
+    """A validation or a checkpoint between two syncs (trainer.trigger_sync_steps > 1) copies the rollout's weights
+    to the host, and the plan did not count them: a host too small for them was planned as fitting."""
+    config.trainer.mode, config.trainer.host_memory_gib = "async", 3.0
+    assert "rollout weights between syncs" not in memory_plan(config).host  # a sync after every update
+    config.trainer.trigger_sync_steps = 2
+    with pytest.raises(MemoryPlanError, match=r"needs 2.9 GiB of host memory but 2.8 GiB are usable \(rollout weights "
+                                              r"between syncs 2.9 GiB\).* or trainer.trigger_sync_steps=1"):
+        memory_plan(config)
