@@ -215,7 +215,9 @@ class GenerationService:
         return SamplingParams(max_tokens=max_tokens or min(self.default_max_tokens, room),
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
-                              top_k=-1 if top_k is None else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+                              # a top-k of the whole vocabulary or more is no top-k (one past an int64 failed the
+                              # native engine's step, and with it every request the step held)
+                              top_k=-1 if top_k is None or top_k >= self.vocab_size else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
                               stop=tuple(stop), seed=_integer(body, "seed", 0))
 

@@ -257,6 +257,7 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
         assert client.completions.create(model="m", prompt="x", stop=["t"] * 40 + ["x" * 1000]).choices[0].text == "one "
         sampling = served.endpoint.service._sampling({"top_k": 5, "min_p": 0.1}, 3, ())  # vLLM's extra sampling keys
         assert (sampling.top_k, sampling.min_p) == (5, 0.1)
+        assert served.endpoint.service._sampling({"top_k": 10 ** 30}, 3, ()).top_k == -1  # was sent on: a 500
         with pytest.raises(openai.NotFoundError, match="trajectory 'nope' is not open"):
             openai.OpenAI(base_url=served.url + "/t/nope/v1", api_key="none", max_retries=0).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}])
