@@ -680,7 +680,7 @@ class TrainerConfig(RunConfig):
     """Plan for this much host memory; None reads what the machine has available."""
     mode: str = "sync"
     """sync (generate, then train, every step), one_step_off (batch k+1 is generated with the weights before
-    update k, overlapping it) or async (a rollouter streams samples under a staleness bound; docs/architecture.md)."""
+    update k, overlapping it) or async (a rollouter streams samples under a staleness bound; docs/internals.md)."""
     max_staleness: float = 1
     """async: how many weight versions the rollouter may run ahead of the trainer (a fraction too: 0.5 lets half a
     version's groups start under the weights before). A prompt group is admitted only while admitted groups <
