@@ -197,6 +197,14 @@ def test_eval_strategy_decides_when_the_eval_dataset_is_evaluated(tmp_path, tiny
         SFTConfig(eval_strategy="best").to_overrides()
 
 
+def test_eval_steps_map_in_either_order_and_fall_back_to_logging_steps_as_in_trl():
+    every = lambda **settings: SFTConfig(**settings).to_overrides().get("trainer.test_every")  # noqa: E731
+    assert every(eval_steps=5, eval_strategy="no") is None and every(eval_strategy="no", eval_steps=5) is None
+    assert every(eval_steps=5, eval_strategy="steps") == every(eval_strategy="steps", eval_steps=5) == 5
+    assert every(eval_strategy="steps") == every(eval_strategy="steps", eval_steps=0) == 10  # TRL's logging_steps
+    assert every(eval_strategy="steps", logging_steps=4) == 4 and every(eval_steps=7) == 7
+
+
 def test_use_bias_correction_kl_is_taken_where_it_changes_nothing_and_said_where_it_would(caplog):
     """TRL 1.16 weighs the KL term by the importance ratio by default (use_bias_correction_kl=True); reinforge does
     not, which is the same run without a KL term, or with the correction turned off."""

@@ -191,30 +191,38 @@ TRL_LOGGING_STEPS = 10
 
 def _eval_strategy(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """'no' maps onto nothing: the eval_dataset is not given to the run at all (``evaluates``); 'epoch' is set on the
-    trainer once its data is read (``evaluation_interval``); 'steps' without eval_steps evaluates every
-    logging_steps steps, as TRL does."""
+    trainer once its data is read (``evaluation_interval``); 'steps' evaluates every eval_steps steps, or every
+    logging_steps steps without them, as TRL does."""
     if value not in EVAL_STRATEGIES:
         raise ValueError(f"eval_strategy={value!r}: it is one of {', '.join(EVAL_STRATEGIES)} (TRL's: never evaluate, "
                          "every eval_steps steps, at each epoch's end); reinforge also evaluates at the end")
-    if value == "steps" and settings.get("eval_steps") is None:
-        interval = settings.get("logging_steps")
-        return {"trainer.test_every": _whole_steps("logging_steps", TRL_LOGGING_STEPS if interval is None
-                                                   else interval)}
-    return {}
+    return _test_every(value, settings)
 
 
-def _eval_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """Steps between evaluations; below 1, TRL's fraction of the run's steps (``evaluation_interval``). Nothing
-    under eval_strategy 'no' or 'epoch', which TRL's eval_steps does not change either."""
-    if value is None or settings.get("eval_strategy") in ("no", "epoch") or 0 < float(value) < 1:
+def _eval_spacing(settings: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """(name, value) of TRL's setting that spaces the evaluations in steps (below 1: a fraction of the run's steps):
+    eval_steps, else TRL's logging_steps under eval_strategy='steps' (eval_steps 0 counts as unset, as in TRL); None
+    under 'no' and 'epoch', or with neither set."""
+    strategy = settings.get("eval_strategy")
+    if strategy in ("no", "epoch"):
+        return None
+    if settings.get("eval_steps"):
+        return "eval_steps", settings["eval_steps"]
+    if strategy == "steps":
+        return "logging_steps", settings.get("logging_steps") or TRL_LOGGING_STEPS
+    return None
+
+
+def _test_every(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """trainer.test_every from eval_strategy and eval_steps together (both map here, in either order); a fraction
+    is set on the trainer once it knows its steps (``evaluation_interval``)."""
+    spacing = _eval_spacing(settings)
+    if spacing is None or 0 < float(spacing[1]) < 1:
         return {}
-    return {"trainer.test_every": _whole_steps("eval_steps", value)}
-
-
-def _whole_steps(name: str, value: Any) -> int:
-    if float(value) != int(value) or value < 1:
-        raise ValueError(f"{name}={value}: give a whole number of steps, or a fraction of the run's steps below 1")
-    return int(value)
+    name, steps = spacing
+    if float(steps) != int(steps) or steps < 1:
+        raise ValueError(f"{name}={steps}: give a whole number of steps, or a fraction of the run's steps below 1")
+    return {"trainer.test_every": int(steps)}
 
 
 def evaluates(settings: Mapping[str, Any]) -> bool:
@@ -226,11 +234,11 @@ def evaluation_interval(settings: Mapping[str, Any], steps_per_epoch: int, total
     """The steps between evaluations that TRL's ``settings`` ask for where they depend on the run's data (one epoch's
     ``steps_per_epoch`` for eval_strategy='epoch'; a fraction of ``total_steps`` for eval_steps below 1); None
     where the config's trainer.test_every holds them."""
-    strategy, steps = settings.get("eval_strategy"), settings.get("eval_steps")
-    if strategy == "epoch":
+    if settings.get("eval_strategy") == "epoch":
         return max(1, steps_per_epoch)
-    if strategy != "no" and steps is not None and 0 < float(steps) < 1:
-        return max(1, math.ceil(total_steps * float(steps)))
+    spacing = _eval_spacing(settings)
+    if spacing is not None and 0 < float(spacing[1]) < 1:
+        return max(1, math.ceil(total_steps * float(spacing[1])))
     return None
 
 
@@ -243,7 +251,7 @@ def _use_cpu(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _logged_every_step(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value not in (None, 1) and not (settings.get("eval_strategy") == "steps" and settings.get("eval_steps") is None):
+    if value not in (None, 1) and (_eval_spacing(settings) or ("",))[0] != "logging_steps":
         logger.warning("logging_steps=%s: reinforge logs every step's metrics (metrics.jsonl, the loggers); the "
                        "setting changes nothing", value)
     return {}
@@ -345,7 +353,7 @@ RUN_SETTINGS: dict[str, Override] = {
     "save_steps": ("trainer.save_every", _to("trainer.save_every")),
     "save_strategy": ("trainer.save_every", _save_strategy),
     "save_total_limit": ("trainer.keep_last", _keep_last),
-    "eval_steps": ("trainer.test_every", _eval_steps),
+    "eval_steps": ("trainer.test_every", _test_every),
     "eval_strategy": ("trainer.test_every", _eval_strategy),
     "eval_on_start": ("trainer.val_before_train", lambda value, settings: {
         "trainer.val_before_train": value} if evaluates(settings) else {}),

@@ -166,8 +166,8 @@ class _Trainer:
 
         self.trainer.run_steps = run_steps_evaluating
         logger.info("the eval_dataset is evaluated every %d steps (%s) and at the end", interval * self.updates,
-                    "one epoch" if self.args.with_defaults().get("eval_strategy") == "epoch"
-                    else f"eval_steps={self.args.with_defaults().get('eval_steps')} of the run's steps")
+                    "one epoch" if self.args.with_defaults().get("eval_strategy") == "epoch" else
+                    f"that part of the run's {int(self.trainer.total_steps) * self.updates}")
 
     def _make_trainer(self) -> Any:
         """reinforge's trainer of ``self.config``."""
