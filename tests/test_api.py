@@ -176,13 +176,14 @@ def test_an_eval_dataset_is_evaluated_before_training_only_with_eval_on_start(tm
 @pytest.mark.parametrize(("settings", "evaluated"), [
     (dict(eval_strategy="no", eval_steps=1, eval_on_start=True, per_device_eval_batch_size=2), []),
     (dict(eval_strategy="steps", eval_steps=2), [2, 4, 5]),
-    (dict(eval_strategy="steps", eval_steps=0.4), [2, 4, 5]),
+    (dict(eval_strategy="steps", eval_steps=0.4, save_steps=0.4, save_total_limit=5), [2, 4, 5]),
     (dict(eval_strategy="epoch"), [2, 4, 5]),
 ])
 def test_eval_strategy_decides_when_the_eval_dataset_is_evaluated(tmp_path, tiny_model_dir, caplog, settings,
                                                                   evaluated):
     """TRL's eval_strategy='no' never evaluates (whatever eval_steps says); 'steps' every eval_steps steps (a
-    fraction of the run's below 1), 'epoch' at each epoch's end; reinforge evaluates at the end too."""
+    fraction of the run's below 1, as a save_steps below 1 is), 'epoch' at each epoch's end; reinforge evaluates at
+    the end too."""
     from reinforge import SFTTrainer
 
     rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
@@ -193,6 +194,9 @@ def test_eval_strategy_decides_when_the_eval_dataset_is_evaluated(tmp_path, tiny
         trainer.train()
     assert [row["step"] for row in read_metrics(tmp_path) if "val/loss" in row] == evaluated
     assert not [record for record in caplog.records if "val" in record.getMessage()]
+    if "save_steps" in settings:
+        assert sorted(path.name for path in (tmp_path / "checkpoints").glob("step_*")) == [
+            "step_000002", "step_000004", "step_000005"]
     with pytest.raises(ValueError, match="eval_strategy='best': it is one of no, steps, epoch"):
         SFTConfig(eval_strategy="best").to_overrides()
 
@@ -203,6 +207,9 @@ def test_eval_steps_map_in_either_order_and_fall_back_to_logging_steps_as_in_trl
     assert every(eval_steps=5, eval_strategy="steps") == every(eval_strategy="steps", eval_steps=5) == 5
     assert every(eval_strategy="steps") == every(eval_strategy="steps", eval_steps=0) == 10  # TRL's logging_steps
     assert every(eval_strategy="steps", logging_steps=4) == 4 and every(eval_steps=7) == 7
+    saves = lambda **settings: SFTConfig(**settings).to_overrides().get("trainer.save_every")  # noqa: E731
+    assert saves(save_strategy="no", save_steps=5) == saves(save_steps=5, save_strategy="no") == 0
+    assert saves(save_steps=5) == 5 and saves(save_steps=0.5) is None  # a fraction: set once the run's steps are known
 
 
 def test_use_bias_correction_kl_is_taken_where_it_changes_nothing_and_said_where_it_would(caplog):

@@ -174,12 +174,24 @@ def _keep_last(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save_strategy(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value == "no":  # the end of the run is still saved: save_model() exports it
+    if value not in ("no", "steps"):
+        raise ValueError(f"save_strategy={value!r}: reinforge checkpoints every save_steps steps and at the end; set "
+                         "save_strategy='steps' with save_steps, or 'no' (the end only)")
+    return _save_every(value, settings)
+
+
+def _save_every(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """trainer.save_every from save_strategy and save_steps together (both map here, in either order): 'no' saves
+    the end only (save_model() exports it), whatever save_steps says; a save_steps below 1 is TRL's fraction of the
+    run's steps, set on the trainer once it knows them (``step_intervals``)."""
+    if settings.get("save_strategy") == "no":
         return {"trainer.save_every": 0}
-    if value == "steps":
+    steps = settings.get("save_steps")
+    if steps is None or 0 < float(steps) < 1:
         return {}
-    raise ValueError(f"save_strategy={value!r}: reinforge checkpoints every save_steps steps and at the end; set "
-                     "save_strategy='steps' with save_steps, or 'no' (the end only)")
+    if float(steps) != int(steps) or steps < 0:
+        raise ValueError(f"save_steps={steps}: give a whole number of steps, or a fraction of the run's steps below 1")
+    return {"trainer.save_every": int(steps)}
 
 
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -230,16 +242,21 @@ def evaluates(settings: Mapping[str, Any]) -> bool:
     return settings.get("eval_strategy") != "no"
 
 
-def evaluation_interval(settings: Mapping[str, Any], steps_per_epoch: int, total_steps: int) -> int | None:
-    """The steps between evaluations that TRL's ``settings`` ask for where they depend on the run's data (one epoch's
-    ``steps_per_epoch`` for eval_strategy='epoch'; a fraction of ``total_steps`` for eval_steps below 1); None
-    where the config's trainer.test_every holds them."""
+def step_intervals(settings: Mapping[str, Any], steps_per_epoch: int, total_steps: int) -> dict[str, int]:
+    """The intervals in steps (``test_every``, ``save_every``: the keys of ``run_steps``) that TRL's ``settings`` ask
+    for where they depend on the run's data: one epoch's ``steps_per_epoch`` for eval_strategy='epoch', a fraction
+    of ``total_steps`` for eval_steps or save_steps below 1. The others are the config's trainer.test_every and
+    trainer.save_every."""
+    intervals = {}
     if settings.get("eval_strategy") == "epoch":
-        return max(1, steps_per_epoch)
+        intervals["test_every"] = max(1, steps_per_epoch)
     spacing = _eval_spacing(settings)
     if spacing is not None and 0 < float(spacing[1]) < 1:
-        return max(1, math.ceil(total_steps * float(spacing[1])))
-    return None
+        intervals["test_every"] = max(1, math.ceil(total_steps * float(spacing[1])))
+    save_steps = settings.get("save_steps")
+    if settings.get("save_strategy") != "no" and save_steps is not None and 0 < float(save_steps) < 1:
+        intervals["save_every"] = max(1, math.ceil(total_steps * float(save_steps)))
+    return intervals
 
 
 def _max_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -350,7 +367,7 @@ def _model_init_kwargs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 RUN_SETTINGS: dict[str, Override] = {
     "max_steps": ("trainer.total_steps", _max_steps),
     "num_train_epochs": ("trainer.total_epochs", _epochs),
-    "save_steps": ("trainer.save_every", _to("trainer.save_every")),
+    "save_steps": ("trainer.save_every", _save_every),
     "save_strategy": ("trainer.save_every", _save_strategy),
     "save_total_limit": ("trainer.keep_last", _keep_last),
     "eval_steps": ("trainer.test_every", _test_every),

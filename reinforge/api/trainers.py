@@ -32,9 +32,9 @@ from reinforge.api.settings import (
     RewardConfig,
     SFTConfig,
     evaluates,
-    evaluation_interval,
     keyword_overrides,
     load_settings,
+    step_intervals,
 )
 from reinforge.config.errors import ConfigError
 
@@ -150,24 +150,27 @@ class _Trainer:
             self._evaluate_as_asked()
 
     def _evaluate_as_asked(self) -> None:
-        """The evaluation interval of TRL's eval_strategy='epoch' (one epoch's steps) or of an eval_steps below 1 (a
-        fraction of the run's steps), which only the trainer's data gives: the run's loop validates on it. The
-        config keeps trainer.test_every as given, so a later run of the folder resumes with the same settings."""
+        """The evaluation interval of TRL's eval_strategy='epoch' (one epoch's steps), and that of an eval_steps or a
+        save_steps below 1 (a fraction of the run's steps), which only the trainer's data gives: the run's loop
+        validates and saves on them. The config keeps trainer.test_every and trainer.save_every as given, so a later
+        run of the folder resumes with the same settings."""
         loader = getattr(self.trainer, "train_loader", None)
-        if not hasattr(self.args, "with_defaults") or loader is None or getattr(self.trainer, "val_loader", 1) is None:
+        if not hasattr(self.args, "with_defaults") or loader is None:
             return
-        interval = evaluation_interval(self.args.with_defaults(), len(loader), int(self.trainer.total_steps))
-        if interval is None:
+        intervals = step_intervals(self.args.with_defaults(), len(loader), int(self.trainer.total_steps))
+        if getattr(self.trainer, "val_loader", None) is None:
+            intervals.pop("test_every", None)
+        if not intervals:
             return
         run_steps = self.trainer.run_steps
 
-        def run_steps_evaluating(*args: Any, **kwargs: Any) -> Any:
-            return run_steps(*args, **(kwargs | {"test_every": interval}))
+        def run_steps_as_asked(*args: Any, **kwargs: Any) -> Any:
+            return run_steps(*args, **(kwargs | intervals))
 
-        self.trainer.run_steps = run_steps_evaluating
-        logger.info("the eval_dataset is evaluated every %d steps (%s) and at the end", interval * self.updates,
-                    "one epoch" if self.args.with_defaults().get("eval_strategy") == "epoch" else
-                    f"that part of the run's {int(self.trainer.total_steps) * self.updates}")
+        self.trainer.run_steps = run_steps_as_asked
+        for key, what in (("test_every", "the eval_dataset is evaluated"), ("save_every", "a checkpoint is saved")):
+            if key in intervals:
+                logger.info("%s every %d steps and at the end", what, intervals[key] * self.updates)
 
     def _make_trainer(self) -> Any:
         """reinforge's trainer of ``self.config``."""
