@@ -128,6 +128,23 @@ def concat_generated(batches: list[Batch], pad_token_id: int) -> Batch:
     return Batch.concat(padded)
 
 
+def combine_reward_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The reward metrics of several scoring calls (each call's metrics and its number of samples) as one call's:
+    a mean (``*/mean``: a reward model's or a judge's score) weighted by the calls' samples, the others (counts of
+    errors and timeouts, seconds) summed."""
+    combined: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, samples in parts:
+        for name, value in metrics.items():
+            mean = name.endswith("/mean")
+            combined[name] = combined.get(name, 0.0) + (value * samples if mean else value)
+            if mean:
+                weights[name] = weights.get(name, 0.0) + samples
+    for name, weight in weights.items():
+        combined[name] /= max(weight, 1)
+    return combined
+
+
 def combine_agent_metrics(spans: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The agent loop's per-trajectory metrics of several generation batches (each batch's metrics and its number of
     samples) as those of all their trajectories: ``*/min`` the smallest, ``*/max`` the largest, ``*/mean`` the mean
@@ -178,7 +195,7 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
     kept: list[Batch] = []
     engine_spans: list[dict[str, float]] = []
     agent_spans: list[tuple[dict[str, float], int]] = []
-    reward_metrics: dict[str, float] = {}
+    reward_parts: list[tuple[dict[str, float], int]] = []
     num_kept = num_generated = num_gen_batches = num_samples = 0
     prompts = first
     while True:
@@ -187,8 +204,7 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
         rows, kept_here, groups_here = kept_group_rows(scored["uid"], group_metric(scored, config.metric))
         num_generated += groups_here
         num_kept += kept_here
-        for key, value in scored.meta.get("reward_metrics", {}).items():
-            reward_metrics[key] = reward_metrics.get(key, 0.0) + value
+        reward_parts.append((scored.meta.get("reward_metrics", {}), len(scored)))
         num_samples += len(scored)
         generated = scored.meta.get("rollout_metrics", {})
         engine_spans.append({key: value for key, value in generated.items() if key.startswith(ENGINE_METRICS)})
@@ -216,6 +232,7 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
                                 f"data.train_batch_size={num_groups} prompt groups it needs (its {num_gen_batches} "
                                 "generation batch(es) are dropped)", exhausted.fix) from None
     merged = first_groups(concat_generated(kept, pad_token_id), num_groups)
+    reward_metrics = combine_reward_metrics(reward_parts)
     if "reward/overlong/count" in reward_metrics:  # over every sample generated, like the counts
         reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(num_samples, 1)
     merged.meta["reward_metrics"] = reward_metrics

@@ -184,3 +184,13 @@ def test_the_agent_loops_metrics_cover_every_generation_batch_of_the_step():
         "agent/tool/code/runs": 7.0, "agent/budget_spent": 1.0,
         "timing_s/agent_loop/slowest/generate_sequences": 6.0, "timing_s/agent_loop/slowest/tool_calls": 0.5,
         "timing_s/agent_loop/slowest/response_length": 50.0}
+
+
+def test_a_scores_mean_over_generation_batches_is_weighted_by_their_samples_and_counts_add_up():
+    """reward_model/score/mean (and a judge's) was summed over the step's generation batches, as the counts are."""
+    first, second = scored_batch({"a": [1, 1]}, 2), scored_batch({"b": [0, 1], "c": [1, 0]}, 2)
+    first.meta["reward_metrics"] = {"reward/errors": 1.0, "reward_model/score/mean": 0.5}
+    second.meta["reward_metrics"] = {"reward/errors": 2.0, "reward_model/score/mean": 2.0}
+    batch, _ = collect_kept_groups(first, lambda: second, lambda prompts: prompts,
+                                   FilterGroupsConfig(enable=True, metric="score"), num_groups=2, pad_token_id=PAD)
+    assert batch.meta["reward_metrics"] == {"reward/errors": 3.0, "reward_model/score/mean": (2 * 0.5 + 4 * 2.0) / 6}

@@ -43,7 +43,7 @@ from reinforge.config.schema import Config
 from reinforge.protocol import Batch
 from reinforge.rollout.native.counters import combine_spans
 from reinforge.tracking.jsonl import append_json_line, truncate_after_step
-from reinforge.trainer.dynamic_sampling import concat_generated
+from reinforge.trainer.dynamic_sampling import combine_reward_metrics, concat_generated
 from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.device_turns import DeviceTurns
 from reinforge.trainer.modes.rollouter import Rollouter
@@ -98,10 +98,8 @@ class AsyncMode:
         taken = self.rollouter.take(self.batch_size)
         waited = time.perf_counter() - start
         batch = concat_generated([rows for _, rows in taken], self.calls.pad_token_id)
-        reward_metrics: dict[str, float] = {}
-        for _, rows in taken:
-            for key, value in rows.meta.get("reward_metrics", {}).items():
-                reward_metrics[key] = reward_metrics.get(key, 0.0) + value  # counts (rollouter.group_reward_metrics)
+        # counts add up, a score's mean is weighted by the groups' samples (rollouter.group_reward_metrics)
+        reward_metrics = combine_reward_metrics([(rows.meta.get("reward_metrics", {}), len(rows)) for _, rows in taken])
         if "reward/overlong/count" in reward_metrics:
             reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(len(batch), 1)
         batch.meta = {"reward_metrics": reward_metrics, "wait_s": waited,

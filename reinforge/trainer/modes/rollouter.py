@@ -261,12 +261,13 @@ class Rollouter:
 def group_reward_metrics(call_metrics: dict[str, float], rows: Batch, first: bool) -> dict[str, float]:
     """One group's share of the reward metrics of the scoring call that scored it with other groups.
 
-    The trainer sums its groups' metrics, so the call's counts must not ride on every group: the
+    The trainer sums its groups' counts, so the call's counts must not ride on every group: the
     overlong count is the group's own (from its ``reward_overlong_penalty`` column), the other counts
     (reward/errors, reward/timeouts) go with the call's first group, and the overlong fraction is
-    the group's (``AsyncMode.next_batch`` recomputes it over the batch).
+    the group's (``AsyncMode.next_batch`` recomputes it over the batch). A mean (``*/mean``, a reward
+    model's or a judge's score) is the call's on every group: the trainer weighs it by their samples.
     """
-    metrics = {key: (value if first else 0.0) for key, value in call_metrics.items()}
+    metrics = {key: (value if first or key.endswith("/mean") else 0.0) for key, value in call_metrics.items()}
     if "reward/overlong/count" in call_metrics and "reward_overlong_penalty" in rows:
         count = float(sum(float(value) < 0 for value in rows["reward_overlong_penalty"]))
         metrics |= {"reward/overlong/count": count, "reward/overlong/fraction": count / max(len(rows), 1)}

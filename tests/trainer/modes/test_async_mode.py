@@ -348,3 +348,22 @@ def test_an_async_run_resumed_with_another_trigger_sync_steps_is_refused(tmp_pat
     old.trainer.trigger_sync_steps, new.trainer.trigger_sync_steps = 2, 1
     with pytest.raises(ValueError, match=r"changed settings it cannot take: trainer.trigger_sync_steps: 2 -> 1"):
         check_resumed_settings(config_to_dict(old), config_to_dict(new), resume_refuses(new), tmp_path)
+
+
+def test_a_batch_of_groups_from_several_scoring_calls_weighs_a_scores_mean_and_adds_up_counts(tmp_path):
+    """reward_model/score/mean rode on each scoring call's first group and was summed over the batch's calls."""
+    config = Config()
+    config.data.train_batch_size, config.data.max_response_length, config.rollout.n = 3, 8, 2
+    mode = AsyncMode(config, FakeTrainer(tmp_path, 0).calls())
+
+    def group(position: int, call_mean: float, errors: float) -> tuple[SimpleNamespace, Batch]:
+        rows = Batch.from_dict(tensors={"prompts": torch.ones(2, 2, dtype=torch.long),
+                                        "responses": torch.ones(2, 8, dtype=torch.long)},
+                               non_tensors={"uid": [f"p{position}"] * 2})
+        rows.meta["reward_metrics"] = {"reward/errors": errors, "reward_model/score/mean": call_mean}
+        return SimpleNamespace(position=position), rows
+
+    taken = [group(0, 0.5, 1.0), group(1, 0.5, 0.0), group(2, 2.0, 4.0)]  # two calls: groups 0-1 and group 2
+    mode.rollouter = SimpleNamespace(take=lambda num_groups: taken)
+    metrics = mode.next_batch().meta["reward_metrics"]
+    assert metrics == {"reward/errors": 5.0, "reward_model/score/mean": pytest.approx((0.5 + 0.5 + 2.0) / 3)}

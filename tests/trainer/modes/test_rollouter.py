@@ -73,7 +73,7 @@ def test_a_scoring_calls_reward_metrics_are_counted_once_over_its_groups():
         scored = Batch.from_dict(tensors={"token_level_scores": torch.zeros_like(rows["response_mask"])},
                                  non_tensors={"reward_overlong_penalty": penalties})
         scored.meta["reward_metrics"] = {"reward/errors": 3.0, "reward/overlong/count": 2.0,
-                                         "reward/overlong/fraction": 0.25}
+                                         "reward/overlong/fraction": 0.25, "reward_model/score/mean": 0.5}
         return scored
 
     restored = rollouter(4, 8)
@@ -84,6 +84,7 @@ def test_a_scoring_calls_reward_metrics_are_counted_once_over_its_groups():
     assert sum(group["reward/errors"] for group in metrics) == 3.0
     assert [group["reward/overlong/count"] for group in metrics] == [1.0, 1.0]
     assert [group["reward/overlong/fraction"] for group in metrics] == [0.25, 0.25]
+    assert [group["reward_model/score/mean"] for group in metrics] == [0.5, 0.5]  # the call's, weighed by the trainer
 
 
 def test_resume_hands_the_ready_groups_over_first_in_the_order_they_finished():
