@@ -260,6 +260,8 @@ def check_transformers_runs(config) -> None:
                              f"then repeats them {heads // kv_heads} times (num_attention_heads // "
                              "num_key_value_heads), so its forward fails on mismatched head counts; set "
                              f"num_key_value_heads to {heads}")
+    if model_type in MOE_FAMILIES and any(_moe_layers(config, model_type)):
+        _check_routing_runs(config, model_type, source)
     no_rope_layers = getattr(config, "no_rope_layers", None) if model_type == "smollm3" else None
     if no_rope_layers is not None and len(no_rope_layers) < config.num_hidden_layers:
         raise ValueError(f"{source} lists {len(no_rope_layers)} entries in no_rope_layers for num_hidden_layers="
@@ -277,6 +279,40 @@ def check_transformers_runs(config) -> None:
         raise ValueError(f"{source} lists sliding_attention layers in layer_types with sliding_window=null, so "
                          "transformers' forward fails building their mask; set sliding_window to the model's window "
                          "in tokens, or list them as full_attention")
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
+ROUTER_NAMES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "olmoe": "Olmoe", "deepseek_v2": "DeepseekV2",
+                "deepseek_v3": "DeepseekV3"}
+
+
+def _check_routing_runs(config, model_type: str, source: str) -> None:
+    """Refuse a routing transformers' router of a table MoE family cannot run: a top-k past the experts, and for
+    DeepSeek's group-limited routing groups that do not split the experts evenly (its router reshapes the scores into
+    n_group equal groups: an error, or for some token counts scores of different tokens grouped together), a
+    topk_group past n_group, and V3 groups of one expert (it scores a group by its best two)."""
+    router = f"transformers' {ROUTER_NAMES[model_type]} router"
+    experts = _num_routed_experts(config)
+    top_k = config.num_experts_per_tok
+    if isinstance(top_k, int) and isinstance(experts, int) and top_k > experts:
+        raise ValueError(f"{source} has num_experts_per_tok={top_k} with {experts} experts: {router} takes the top "
+                         f"{top_k} of {experts} scores, so its forward fails; set num_experts_per_tok to 1 to {experts}")
+    grouped = model_type == "deepseek_v3" or (model_type == "deepseek_v2"
+                                              and config.topk_method == "group_limited_greedy")
+    if not grouped:
+        return
+    groups, kept = config.n_group, config.topk_group
+    if not isinstance(groups, int) or groups < 1 or experts % groups:
+        raise ValueError(f"{source} has n_group={groups} for {experts} routed experts: {router} splits the experts into "
+                         f"n_group groups of equal size, so its forward fails or groups the scores of different "
+                         f"tokens together; set n_group to a divisor of {experts}")
+    if model_type == "deepseek_v3" and experts // groups < 2:
+        raise ValueError(f"{source} has n_group={groups} for {experts} routed experts, one expert a group: {router} "
+                         "scores a group by its best two experts, so its forward fails; set n_group to a divisor of "
+                         f"{experts} of at most {experts // 2}")
+    if not isinstance(kept, int) or not 1 <= kept <= groups:
+        raise ValueError(f"{source} has topk_group={kept} with n_group={groups}: {router} keeps the best topk_group "
+                         f"of the n_group groups, so its forward fails; set topk_group to 1 to {groups}")
 
 
 def architecture_spec(config) -> ArchitectureSpec | None:

@@ -108,6 +108,19 @@ NULL_WINDOW_REFUSAL = ("smollm3 config (model.path's config.json) lists sliding_
                        "sliding_window=null, so transformers' forward fails building their mask; set sliding_window to "
                        "the model's window in tokens, or list them as full_attention")
 SLIDING_SECOND = ["full_attention", "sliding_attention"]
+TOP_K_REFUSAL = ("qwen3_moe config (model.path's config.json) has num_experts_per_tok=5 with 4 experts: transformers' "
+                 "Qwen3Moe router takes the top 5 of 4 scores, so its forward fails; set num_experts_per_tok to 1 to 4")
+ONE_EXPERT_GROUPS_REFUSAL = (
+    "deepseek_v3 config (model.path's config.json) has n_group=8 for 8 routed experts, one expert a group: "
+    "transformers' DeepseekV3 router scores a group by its best two experts, so its forward fails; set n_group to a "
+    "divisor of 8 of at most 4")
+UNEVEN_GROUPS_REFUSAL = (
+    "deepseek_v3 config (model.path's config.json) has n_group=5 for 8 routed experts: transformers' DeepseekV3 router "
+    "splits the experts into n_group groups of equal size, so its forward fails or groups the scores of different "
+    "tokens together; set n_group to a divisor of 8")
+KEPT_GROUPS_REFUSAL = (
+    "deepseek_v2 config (model.path's config.json) has topk_group=5 with n_group=4: transformers' DeepseekV2 router "
+    "keeps the best topk_group of the n_group groups, so its forward fails; set topk_group to 1 to 4")
 
 
 @pytest.mark.parametrize(("arch", "options", "message"), [
@@ -119,8 +132,13 @@ SLIDING_SECOND = ["full_attention", "sliding_attention"]
      UNSET_WINDOW_REFUSAL.replace("qwen2", "qwen3")),
     ("smollm3", {"layer_types": SLIDING_SECOND, "use_sliding_window": False, "sliding_window": None},
      NULL_WINDOW_REFUSAL),
+    ("qwen3_moe", {"num_experts_per_tok": 5}, TOP_K_REFUSAL),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 3}, ONE_EXPERT_GROUPS_REFUSAL),
+    ("deepseek_v3", {"n_group": 5}, UNEVEN_GROUPS_REFUSAL),
+    ("deepseek_v2", {"topk_group": 5}, KEPT_GROUPS_REFUSAL),
 ], ids=["deepseek_v2-grouped-kv", "deepseek_v3-grouped-kv", "qwen2-unset-window", "qwen3-unset-window",
-        "smollm3-null-window"])
+        "smollm3-null-window", "qwen3_moe-top-k-past-experts", "deepseek_v3-one-expert-groups",
+        "deepseek_v3-uneven-groups", "deepseek_v2-kept-groups-past-groups"])
 def test_a_config_transformers_loads_but_cannot_run_is_refused_before_its_weights_load(arch, options, message,
                                                                                         tmp_path):
     from reinforge.engine.memory_plan import check_model_config
