@@ -165,26 +165,18 @@ def test_a_run_refused_while_it_starts_frees_its_folder_at_once(tmp_path, tiny_m
     assert refused.value is not None and failed.value is not None  # both still held here
 
 
-def test_resume_refuses_data_files_whose_rows_changed_since_the_checkpoint(tmp_path, tiny_model_dir):
-    SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
-    config = sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2")
-    train = tmp_path / "train.jsonl"
-    train.write_text(train.read_text() + json.dumps(GOOD) + "\n")  # the same path, one more row
-    with pytest.raises(ValueError, match=r"^the checkpoint's SFT data had 8 rows .* but this run's has 9: the data "
-                                         r"files changed since"):
-        SFTTrainer(config).fit()
-
-
-def test_changed_data_is_refused_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch):
+def test_resume_refuses_data_files_whose_rows_changed_since_the_checkpoint_before_the_model_loads(
+        tmp_path, tiny_model_dir, monkeypatch):
     from reinforge.trainer import sft_trainer
 
     SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
     config = sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2")
     train = tmp_path / "train.jsonl"
-    train.write_text(train.read_text() + json.dumps(GOOD) + "\n")
+    train.write_text(train.read_text() + json.dumps(GOOD) + "\n")  # the same path, one more row
     loaded = []
     monkeypatch.setattr(sft_trainer, "load_causal_lm", lambda *args, **kwargs: loaded.append(args))
-    with pytest.raises(ValueError, match=r"^the checkpoint's SFT data had 8 rows .* but this run's has 9"):
+    with pytest.raises(ValueError, match=r"^the checkpoint's SFT data had 8 rows .* but this run's has 9: the data "
+                                         r"files changed since"):
         SFTTrainer(config)
     assert loaded == []
 
