@@ -220,6 +220,17 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
     return metrics
 
 
+AGENT_TOTALS = tuple(f"agent/{name}" for name in ("tool_errors", "tool_raised", "tool_service_errors", "tool_calls_cut",
+                                                  "tool_response_truncated", "tool_overflow", "budget_spent"))
+"""``agent_metrics``' totals over the rollout's trajectories (with every ``agent/tool/<tool>/<name>``): several
+workers' rollouts add them up."""
+
+
+def agent_totals(metrics: Iterable[str]) -> tuple[str, ...]:
+    """The names of ``metrics`` that are totals over a rollout's trajectories (``AGENT_TOTALS``, ``agent/tool/*``)."""
+    return tuple(name for name in metrics if name in AGENT_TOTALS or name.startswith("agent/tool/"))
+
+
 TOOL_FAILURE_STEPS = 3
 """Rollouts in a row in which every tool call that reached a tool failed (raised, timed out, or its service did not
 run it) before the run stops."""

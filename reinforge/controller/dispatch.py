@@ -6,11 +6,12 @@
 DP_COMPUTE gathers member results by type:
   - ``Batch``: concatenated in rank order with the split's padding rows removed; a meta value
     that is a dict of metrics on every member (``rollout_metrics``, ``mismatch_metrics``) is
-    merged like the metrics below, any other meta value comes from rank 0, so per-row values
-    belong in columns, not in meta;
+    merged like the metrics below, except that the names a member lists in its meta's
+    ``summed_metrics`` (totals over its rows: an agent loop's tool errors) are added up; any other
+    meta value comes from rank 0, so per-row values belong in columns, not in meta;
   - ``dict`` (metrics): numeric values are averaged over the members (each member saw an equal
-    share of rows, padding included; names with the word ``max`` or ``peak`` take the largest,
-    with ``min`` the smallest), other values come from rank 0;
+    share of rows, padding included; names with the word ``max``, ``peak`` or ``slowest`` take the
+    largest, with ``min`` the smallest), other values come from rank 0;
   - ``tuple``: gathered position by position with these same rules;
   - ``None`` from every member: ``None``; anything else: the list of results.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,15 +120,22 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
     marked = [Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": plan.num_padding})
               for chunk in chunks]
     merged = Batch.concat_unpadded(marked)
+    summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):
-            merged.meta[key] = average_metrics(values)
+            merged.meta[key] = average_metrics(values, summed)
     return merged
 
 
-def average_metrics(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Mean over members of each numeric value (largest for ``max``/``peak`` names, smallest for ``min``).
+SUMMED_METRICS = "summed_metrics"
+"""The meta key under which a member's ``Batch`` names the metrics of its meta dicts that are totals over its rows,
+added up over the members instead of averaged."""
+
+
+def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str] = ()) -> dict[str, Any]:
+    """Mean over members of each numeric value (largest for ``max``/``peak``/``slowest`` names, smallest for ``min``,
+    the sum for the names in ``summed``).
 
     Members lacking a key are left out; non-numeric values come from the first member that has them.
     """
@@ -137,7 +145,8 @@ def average_metrics(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
         numbers_only = [_as_number(value) for value in values]
         if all(number is not None for number in numbers_only) and len(values) > 1:
             words = set(re.split(r"[/_.\s]+", key.lower()))
-            reduce = max if words & {"max", "peak"} else min if "min" in words else np.mean
+            reduce = sum if key in summed else max if words & {"max", "peak", "slowest"} else \
+                min if "min" in words else np.mean
             merged[key] = float(reduce(numbers_only))
         else:
             merged[key] = values[0]

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
-from reinforge.agent.runner import ToolFailureCheck
+from reinforge.agent.runner import ToolFailureCheck, agent_totals
 from reinforge.config.schema import Config
+from reinforge.controller.dispatch import SUMMED_METRICS
 from reinforge.engine.device import autocast_context, compute_dtype
 from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids
@@ -428,6 +429,7 @@ class RolloutSide:
             output.meta["rollout_metrics"] |= count_metrics(*counts)
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
+        output.meta[SUMMED_METRICS] = agent_totals(output.meta["rollout_metrics"])  # several workers add them up
         return output
 
     @contextlib.contextmanager

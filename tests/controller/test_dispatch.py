@@ -56,3 +56,14 @@ def test_all_to_all_needs_one_element_per_member():
 
 def test_average_metrics_keeps_keys_of_some_members():
     assert average_metrics([{"a": 1, "b": 2.0}, {"a": 3}]) == {"a": 2.0, "b": 2.0}
+
+
+def test_totals_a_member_names_are_added_up_over_the_members():
+    plan = plan_member_calls(DP, "generate", 2, (Batch.from_dict({"x": torch.arange(4)}),), {})
+    members = [Batch.from_dict({"y": torch.arange(2)}), Batch.from_dict({"y": torch.arange(2)})]
+    for errors, turns, slowest, member in zip((3.0, 1.0), (2.0, 4.0), (5.0, 9.0), members, strict=True):
+        member.meta["rollout_metrics"] = {"agent/tool_errors": errors, "num_turns/mean": turns,
+                                          "timing_s/agent_loop/slowest/tool_calls": slowest}
+        member.meta["summed_metrics"] = ("agent/tool_errors",)
+    merged = collect_results(DP, plan, "generate", members).meta["rollout_metrics"]
+    assert merged == {"agent/tool_errors": 4.0, "num_turns/mean": 3.0, "timing_s/agent_loop/slowest/tool_calls": 9.0}
