@@ -291,6 +291,7 @@ class ToolFailureCheck:
             raise ToolFailure(f"every one of the {reached} tool calls of the last rollout that reached a tool failed "
                               f"(raised, timed out, or its service did not run it), as in the {self.failed_in_a_row - 1} "
                               f"rollouts before it (tools: {', '.join(self.tool_names)}); the run learns nothing from "
-                              "this: fix the tool or its service (the samples show its error messages) or raise "
-                              "rollout.multi_turn.tool_timeout_s, and run the same command again: it resumes from the "
+                              "this: fix the tool or its service (the samples show its error messages) or raise its "
+                              "time limit (a tool's own call_timeout_s in the tool config, below "
+                              "rollout.multi_turn.tool_timeout_s), and run the same command again: it resumes from the "
                               "last checkpoint, before the failed rollouts")
