@@ -201,6 +201,17 @@ def test_eval_strategy_decides_when_the_eval_dataset_is_evaluated(tmp_path, tiny
         SFTConfig(eval_strategy="best").to_overrides()
 
 
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_an_eval_strategy_without_an_eval_dataset_is_refused_as_in_trl(tmp_path, tiny_model_dir, strategy):
+    from reinforge import SFTTrainer
+
+    rows = [{"prompt": "1+1=", "completion": "2"}]
+    with pytest.raises(ValueError, match=f"eval_strategy='{strategy}' \\(SFTConfig\\) evaluates an eval_dataset, and "
+                                         "SFTTrainer was given none"):
+        SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), eval_strategy=strategy, report_to="none"),
+                   train_dataset=rows)
+
+
 def test_eval_steps_map_in_either_order_and_fall_back_to_logging_steps_as_in_trl():
     every = lambda **settings: SFTConfig(**settings).to_overrides().get("trainer.test_every")  # noqa: E731
     assert every(eval_steps=5, eval_strategy="no") is None and every(eval_strategy="no", eval_steps=5) is None

@@ -75,6 +75,17 @@ def _evaluates(args: Any) -> bool:
     return False
 
 
+def _check_eval_dataset(args: Any, eval_dataset: Any, settings: dict[str, Any], trainer: str) -> None:
+    """TRL's refusal of an evaluation strategy with nothing to evaluate: eval_strategy='steps' or 'epoch' and no
+    eval_dataset (nor a data.val_files override) is refused, as transformers' Trainer refuses it."""
+    if eval_dataset is not None or settings.get("data.val_files") or not hasattr(args, "with_defaults"):
+        return
+    strategy = args.with_defaults().get("eval_strategy")
+    if strategy in ("steps", "epoch"):
+        raise ValueError(f"eval_strategy={strategy!r} ({type(args).__name__}) evaluates an eval_dataset, and "
+                         f"{trainer} was given none; pass eval_dataset=... or set eval_strategy='no'")
+
+
 def _check_train_data(config: Any, trainer: str) -> None:
     if not config.data.train_files:
         raise ValueError(f"{trainer} has no train_dataset; pass train_dataset= a datasets.Dataset, a pandas frame, a "
@@ -352,6 +363,7 @@ class GRPOTrainer(_Trainer):
         self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
+        _check_eval_dataset(args, eval_dataset, settings, type(self).__name__)
         if eval_dataset is not None and _evaluates(args):
             settings["data.val_files"] = write_dataset(eval_dataset, inputs, "eval")
         from reinforge.config import config_to_dict
@@ -422,6 +434,7 @@ class _SupervisedTrainer(_Trainer):
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
             if not isinstance(args, schema):
                 self._add_row_settings(settings, train_dataset)
+        _check_eval_dataset(args, eval_dataset, settings, type(self).__name__)
         if eval_dataset is not None and _evaluates(args):
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         with _named_as_given(args):
