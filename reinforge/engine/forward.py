@@ -41,7 +41,7 @@ from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linea
 from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_padded_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, plan_of, unpack_responses, vision_model_kwargs
-from reinforge.models.architectures import architecture_spec
+from reinforge.models.architectures import architecture_spec, runs_code_it_ships
 from reinforge.models.head_probe import kept_final_softcap
 from reinforge.models.reward_model import score_head
 from reinforge.models.signatures import takes_position_ids
@@ -127,7 +127,7 @@ def packs_rows(model: nn.Module) -> bool:
     config = model.config
     if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
         known = False
-    elif architecture_spec(config) is not None or is_vision_language(config):
+    elif not runs_code_it_ships(model) and (architecture_spec(config) is not None or is_vision_language(config)):
         known = True
     else:
         device = next(model.parameters()).device

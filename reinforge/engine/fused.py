@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
-from reinforge.models.architectures import ArchitectureSpec, architecture_spec
+from reinforge.models.architectures import ArchitectureSpec, architecture_spec, runs_code_it_ships
 from reinforge.models.head_probe import final_softcap
 from reinforge.models.loading import checkpointing_enabled
 from reinforge.models.vision import (
@@ -55,8 +55,11 @@ logger = logging.getLogger(__name__)
 
 
 def model_spec(model: nn.Module) -> ArchitectureSpec | None:
-    """The architecture table of ``model`` (a causal LM or its backbone), None for a family outside it."""
+    """The architecture table of ``model`` (a causal LM or its backbone), None for a family outside it and for a
+    model that runs code its folder ships (the table describes transformers' modules of the family)."""
     config = getattr(model, "config", None)
+    if runs_code_it_ships(model):
+        return None
     if is_vision_language(config):  # the language model's family; the vision tower keeps transformers' modules
         return language_model_spec(config)
     return architecture_spec(config) if config is not None else None
@@ -336,9 +339,12 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
         return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, "
                 f"{attention}{windows}, compiled decoder layers){tower}")
     compiled = "decoder layers compiled" if _compilable(model) else "decoder layers eager"
+    why = (f"its code ships with the model (model.trust_remote_code), not transformers' {model_type} modules "
+           "reinforge.models.architectures describes" if runs_code_it_ships(model)
+           else f"{model_type} is not in reinforge.models.architectures")
     return (f"packed training of {model_type}: transformers modules for {model_type}: no fused kernels "
-            f"({model_type} is not in reinforge.models.architectures), {compiled}, expect ~1.5-2x slower updates "
-            "than a family of the table; the varlen attention keeps it exact")
+            f"({why}), {compiled}, expect ~1.5-2x slower updates than a family of the table; the varlen attention "
+            "keeps it exact")
 
 
 _DESCRIBED: set[tuple[str, str]] = set()

@@ -315,6 +315,14 @@ def _check_routing_runs(config, model_type: str, source: str) -> None:
                          f"of the n_group groups, so its forward fails; set topk_group to 1 to {groups}")
 
 
+def runs_code_it_ships(model) -> bool:
+    """Whether ``model`` (or the base model under its adapters) runs modelling code its folder ships (loaded with
+    ``trust_remote_code``: classes of transformers' dynamic ``transformers_modules``) rather than transformers' own
+    modules, which the table describes whatever ``model_type`` the config names."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return any(cls.__module__.startswith("transformers_modules") for cls in type(base).__mro__)
+
+
 def architecture_spec(config) -> ArchitectureSpec | None:
     """The table for a family in ``FAMILIES``; None for any other model_type (the transformers-module path).
     A config transformers cannot run is refused (``check_transformers_runs``)."""

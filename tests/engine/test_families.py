@@ -323,6 +323,18 @@ def test_the_training_path_line_names_the_path_why_and_the_cost():
     assert "varlen attention" in describe_training_path(tiny_model("llama"), torch.device("cpu"))
 
 
+def test_a_family_of_the_table_running_the_code_its_folder_ships_trains_through_its_own_modules():
+    """config.json says llama, but the model's classes are its folder's own code: nothing of the table's Llama is
+    swapped in, the packed pass is the model's own forward, and the line says why."""
+    from tests.rollout.test_native_families import model_running_code_it_ships
+
+    model = model_running_code_it_ships()
+    line = describe_training_path(model, torch.device("cuda"))
+    assert "(its code ships with the model (model.trust_remote_code), not transformers' llama modules" in line
+    assert fuse_elementwise(model, compile=False) == 0 and use_packed_attention_layout(model) == 0
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

@@ -246,6 +246,48 @@ def test_a_model_outside_the_table_rolls_out_with_generate_after_one_line_saying
                      "backend (transformers' generate) instead, roughly 20x slower"]
 
 
+def model_running_code_it_ships() -> torch.nn.Module:
+    """A tiny Llama whose class comes from a model folder's own code (as ``trust_remote_code`` loads it, into
+    transformers' dynamic ``transformers_modules``) and whose MLPs triple their output: config.json still says
+    llama, but the table's Llama is not what it computes."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP
+
+    class TripledMLP(LlamaMLP):
+        def forward(self, x):
+            return 3.0 * super().forward(x)
+
+    class OwnForCausalLM(LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            for layer in self.model.layers:
+                layer.mlp = TripledMLP(config)
+
+    for cls in (TripledMLP, OwnForCausalLM):
+        cls.__module__ = "transformers_modules.own_llama.modeling_own"
+    config = build_tiny_causal_lm("llama", vocab_size=300).config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return OwnForCausalLM(config).eval()
+
+
+def test_a_family_of_the_table_running_the_code_its_folder_ships_rolls_out_with_generate(caplog):
+    from reinforge.config.schema import Config
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.rollout.hf import HFEngine
+    from reinforge.workers.rollout_side import build_rollout_engine
+
+    config = Config()
+    config.rollout.name = "native"
+    with caplog.at_level("WARNING"):
+        engine = build_rollout_engine(config, torch.device("cpu"), build_char_tokenizer(), model_running_code_it_ships())
+    assert isinstance(engine, HFEngine)
+    lines = [record.getMessage() for record in caplog.records if "rollout.name=native" in record.getMessage()]
+    assert lines == ["rollout.name=native cannot run this model: OwnForCausalLM runs the code its model folder ships "
+                     "(model.trust_remote_code), not transformers' 'llama' modules the architecture table "
+                     "(reinforge/models/architectures.py) describes; rolling out with the hf backend (transformers' "
+                     "generate) instead, roughly 20x slower"]
+
+
 def hf_log_probs_step_by_step(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """Log-probs of ``tokens`` after ``prompt`` from a forward over the prompt, then one forward per token over
     the cache (as ``generate`` computes them)."""

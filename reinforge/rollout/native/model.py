@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from reinforge.models.architectures import ArchitectureSpec, text_config
+from reinforge.models.architectures import ArchitectureSpec, runs_code_it_ships, text_config
 from reinforge.models.head_probe import final_softcap
 from reinforge.rollout.native.attention import AttentionMetadata, flash_prefix_applies
 from reinforge.rollout.native.layers import ACTIVATIONS, BlockContext, DenseAttention, DenseMLP, LayerWeights, Parts
@@ -92,6 +92,10 @@ def _rope_dicts(config) -> list[dict]:
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the native engine cannot run ``model``, or None when it can."""
     config = text_config(model.config)
+    if runs_code_it_ships(model):
+        return (f"{type(model).__name__} runs the code its model folder ships (model.trust_remote_code), not "
+                f"transformers' {getattr(model.config, 'model_type', None)!r} modules the architecture table "
+                "(reinforge/models/architectures.py) describes")
     spec = native_architecture_spec(model.config)
     if spec is None:
         return (f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}) has no entry in "
