@@ -430,7 +430,15 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
                     model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                        attn_implementation=attn_implementation, **placement,
                                                        **NO_HUB_KERNELS)
-            except ImportError as error:  # a package its modules need (Gemma 3n's vision tower: timm), in one line
+            except (ImportError, ValueError) as error:
+                if _attention_refused(error, attn_implementation):  # an unknown name, or its kernels not installed
+                    raise ValueError(f"model.attn_implementation={attn_implementation}: transformers cannot load "
+                                     f"{path} with it here ({' '.join(str(error).split())}); set "
+                                     "model.attn_implementation to sdpa or eager, or install what it needs"
+                                     ) from None
+                if not isinstance(error, ImportError):
+                    raise
+                # a package its modules need (Gemma 3n's vision tower: timm), in one line
                 raise ImportError(f"model.path={path} is a {config.model_type!r} model, which transformers cannot "
                                   f"build here: {' '.join(str(error).split())}") from error
             except RuntimeError as error:
@@ -447,6 +455,14 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def _attention_refused(error: BaseException, attn_implementation: str) -> bool:
+    """Whether transformers refused to load a model because of ``attn_implementation`` (not sdpa or eager): a name it
+    does not know, or one whose kernels are not installed ("FlashAttention2 has been toggled on, but ...")."""
+    text = str(error)
+    return attn_implementation not in ("sdpa", "eager") and (
+        f'attn_implementation="{attn_implementation}"' in text or "has been toggled on" in text)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

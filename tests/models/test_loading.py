@@ -272,6 +272,15 @@ def test_weights_of_other_shapes_than_the_config_builds_are_refused_in_one_line(
                         "came with", message)
 
 
+def test_an_attention_implementation_transformers_refuses_is_named_as_the_setting(tiny_model_dir):
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device="cpu", attn_implementation="flashy")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        f"model.attn_implementation=flashy: transformers cannot load {tiny_model_dir} with it here (")
+    assert message.endswith("; set model.attn_implementation to sdpa or eager, or install what it needs")
+
+
 def test_a_config_value_transformers_refuses_is_named_with_its_file(tiny_model_dir, tmp_path):
     folder = tmp_path / "typed"
     message = refused_load(tiny_model_dir, folder, num_attention_heads="four")
