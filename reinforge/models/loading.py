@@ -86,6 +86,33 @@ def check_model_folder(path: str | Path, key: str = "model.path") -> None:
         if missing:
             raise FileNotFoundError(f"model folder {folder} is half-written: {index_name} lists {len(missing)} "
                                     f"missing shard(s), first {missing[0]}")
+    for file in sorted(folder.glob("*.safetensors")):
+        described = _safetensors_size(file)
+        if described is not None and described != file.stat().st_size:
+            found = (f"{file.name}'s header is cut off or unreadable" if described < 0 else
+                     f"{file.name} holds {file.stat().st_size} bytes where its header describes {described}")
+            raise FileNotFoundError(f"model folder {folder} is half-written: {found}; copy or download it again, or "
+                                    "save the model again")
+
+
+def _safetensors_size(file: Path) -> int | None:
+    """The bytes a safetensors file's header says it holds (8 + header + the end of its last tensor); -1 for a header
+    cut off or unreadable; None for a file that cannot be opened."""
+    try:
+        with file.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return -1
+            length = int.from_bytes(head, "little")
+            header = handle.read(length) if length <= file.stat().st_size else b""
+    except OSError:
+        return None
+    try:
+        tensors = json.loads(header)
+        ends = [entry["data_offsets"][1] for name, entry in tensors.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return -1
+    return 8 + length + max(ends, default=0)
 
 
 def float32_parameter_names(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:

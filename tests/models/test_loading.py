@@ -93,6 +93,16 @@ def test_half_written_folders_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="1 missing shard\\(s\\), first model-00002-of-00002.safetensors"):
         check_model_folder(sharded)
 
+    for name, keep in (("cut", 0.5), ("cut-in-header", 12)):  # a copy cut off: in its tensors, in its header
+        cut = shutil.copytree(tiny_model_dir, tmp_path / name)
+        data = (cut / "model.safetensors").read_bytes()
+        (cut / "model.safetensors").write_bytes(data[:int(len(data) * keep) if keep < 1 else keep])
+        found = (f"model.safetensors holds {int(len(data) * 0.5)} bytes where its header describes {len(data)}"
+                 if keep < 1 else "model.safetensors's header is cut off or unreadable")
+        with pytest.raises(FileNotFoundError, match=f"^model folder {cut} is half-written: {re.escape(found)}; copy "
+                                                    "or download it again, or save the model again$"):
+            check_model_folder(cut)
+
     staging = shutil.copytree(tiny_model_dir, tmp_path / "model.tmp-1234")
     with pytest.raises(FileNotFoundError, match="temporary folder of an unfinished save"):
         check_model_folder(staging)
