@@ -136,3 +136,32 @@ def test_varlen_attention_flops_rows_and_failures():
                                        "cudnn_expanded": {"error": "RuntimeError: x"}})
     assert line.startswith("1.5b-640: flash fwd 1.00 ms (1000 TF/s) bwd 2.00 ms (1250 TF/s)")
     assert timing.relative_error([torch.ones(4), torch.zeros(2)], [torch.ones(4) * 2, torch.ones(2)]) == 1.0
+
+
+def test_varlen_attention_runs_each_kernel_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """A kernel whose process dies (a device fault) loses its own row only; the JSON is written as each case ends."""
+    import argparse
+    import json
+    import subprocess
+
+    monkeypatch.setattr(varlen_attention.torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setattr(varlen_attention.torch.backends.cudnn, "version", lambda: 1)
+
+    def fake_run(command, **kwargs):
+        case, kernel = command[-2:]
+        if kernel == "cudnn":
+            return subprocess.CompletedProcess(command, 1, "", "Traceback ...\nAcceleratorError: illegal memory access\n")
+        found = {kernel: 0.5} if case == "alignment" else {
+            "forward_ms": 1.0, "backward_ms": 2.0, "forward_tflops": 1.0, "backward_tflops": 1.0,
+            "max_relative_error": 0.0, "tokens": 640, "forward_tflop": 0.1}
+        return subprocess.CompletedProcess(command, 0, varlen_attention.RESULT_MARK + json.dumps(found) + "\n", "")
+
+    monkeypatch.setattr(varlen_attention.subprocess, "run", fake_run)
+    out = tmp_path / "va.json"
+    varlen_attention.run(argparse.Namespace(out=out, one=None))
+    result = json.loads(out.read_text())
+    assert [row["case"] for row in result["rows"]] == [case[0] for case in varlen_attention.CASES]
+    first = result["rows"][0]
+    assert first["flash"]["forward_ms"] == 1.0 and first["tokens"] == 640
+    assert first["cudnn"] == {"error": "its process exited 1: AcceleratorError: illegal memory access"}
+    assert result["alignment"] == {"flash": 0.5, "cudnn": "its process exited 1: AcceleratorError: illegal memory access"}

@@ -17,7 +17,7 @@ def median_ms(function: Callable[[], object], warmup: int, rep: int) -> float:
 
 def relative_error(got: Iterable[Tensor], reference: Iterable[Tensor]) -> float:
     """The largest ||a - b|| / ||b|| over the pairs of ``got`` and ``reference`` (in float32)."""
-    return max(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    return max(float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
                for a, b in zip(got, reference, strict=True))
 
 

@@ -9,12 +9,19 @@ the update's micro-batches: Qwen2.5-1.5B's heads (12 query heads, 2 KV heads of 
 (a 128-token prompt and 8,192 generated) and over 640-token sequences (the standard workload), and Qwen2.5-7B's
 (28, 4) over 8,320. Each kernel's output and gradients are compared with the flash kernel's (relative norm), and
 one segment of fewer queries than keys (the responses of a shared prompt) says where each kernel aligns its causal
-mask. It prints one line a case and writes every time to OUT.json.
+mask. It prints one line a case and writes every time to OUT.json as each case ends.
+
+Each kernel runs each case in a process of its own: a kernel that faults the device (cuDNN's ragged attention has
+ended in an illegal memory access on some segment lengths, which leaves the CUDA context unusable) then loses its own
+row only, reported as that process's last error line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -32,7 +39,8 @@ BACKWARD_FLOP_RATIO = 2.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """No options besides OUT.json."""
+    """No options besides OUT.json (``--one CASE KERNEL``: the worker process of one kernel at one case)."""
+    parser.add_argument("--one", nargs=2, metavar=("CASE", "KERNEL"), help=argparse.SUPPRESS)
 
 
 def causal_forward_flops(segments: int, length: int, heads: int, dim: int) -> float:
@@ -70,7 +78,8 @@ def bench(function) -> float:
     return median_ms(function, warmup=3, rep=30)
 
 
-def run_case(name, segments, length, heads, kv_heads, dim) -> dict:
+def run_case(name, segments, length, heads, kv_heads, dim, kernels=tuple(KERNELS)) -> dict:
+    """The case's row: each of ``kernels`` timed and compared with the first (flash, the reference)."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     tokens = segments * length
     generator = torch.Generator(device).manual_seed(0)
@@ -83,7 +92,8 @@ def run_case(name, segments, length, heads, kv_heads, dim) -> dict:
     flops_forward = causal_forward_flops(segments, length, heads, dim)
     row: dict = {"case": name, "tokens": tokens, "forward_tflop": flops_forward / 1e12}
     reference = None
-    for kernel_name, kernel in KERNELS.items():
+    for kernel_name in ("flash", *[name for name in kernels if name != "flash"]):
+        kernel = KERNELS[kernel_name]
         try:
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
 
@@ -137,11 +147,48 @@ def case_line(row: dict) -> str:
     return f"{row['case']}: " + " | ".join(parts)
 
 
+RESULT_MARK = "varlen-attention result: "
+"""The line a worker process prints its row (or the alignment) after, as JSON."""
+
+
+def in_own_process(out: Path, case: str, kernel: str) -> dict:
+    """What ``--one case kernel`` found, run in a process of its own: its JSON line, or its last error line."""
+    command = [sys.executable, "-m", "reinforge", "bench", "kernels", "varlen-attention", str(out), "--one", case, kernel]
+    done = subprocess.run(command, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
+    return {"error": f"its process exited {done.returncode}: {last.strip()[:200]}"}
+
+
+def run_one(case: str, kernel: str) -> None:
+    """The worker: one kernel at one case (with flash as its reference), or the alignment probe (case ``alignment``)."""
+    if case == "alignment":
+        found = {kernel: alignment()[kernel]}
+    else:
+        row = run_case(*next(each for each in CASES if each[0] == case), kernels=(kernel,))
+        found = row[kernel] | {"tokens": row["tokens"], "forward_tflop": row["forward_tflop"]}
+    print(RESULT_MARK + json.dumps(found), flush=True)
+
+
 def run(args: argparse.Namespace) -> None:
-    rows = [run_case(*case) for case in CASES]
+    if args.one is not None:
+        run_one(*args.one)
+        return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(), "rows": rows, "alignment": alignment()}
+              "cudnn": torch.backends.cudnn.version(), "rows": [], "alignment": {}}
+    for name, *_ in CASES:
+        row: dict = {"case": name}
+        for kernel_name in KERNELS:
+            found = in_own_process(args.out, name, kernel_name)
+            row |= {key: found.pop(key) for key in ("tokens", "forward_tflop") if key in found}
+            row[kernel_name] = found
+        result["rows"].append(row)
+        write_json(Path(args.out), result)
+        print(case_line(row), flush=True)
+    for kernel_name in ("flash", "cudnn"):
+        found = in_own_process(args.out, "alignment", kernel_name)
+        result["alignment"][kernel_name] = found.get(kernel_name, found.get("error"))
     write_json(Path(args.out), result)
-    for row in rows:
-        print(case_line(row))
     print(f"alignment (0.5: to the end of the keys): {result['alignment']}")
