@@ -309,6 +309,13 @@ class GenerationService:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     @staticmethod
+    def _no_stream_options(body: dict[str, Any]) -> None:
+        """OpenAI's refusal of ``stream_options`` on a request that does not stream (they would change nothing)."""
+        if body.get("stream_options") is not None:
+            raise RequestError("stream_options is only allowed with stream: true; drop it or set \"stream\": true",
+                               param="stream_options")
+
+    @staticmethod
     def _include_usage(body: dict[str, Any]) -> bool:
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -413,6 +420,7 @@ class GenerationService:
 
     async def chat(self, body: dict[str, Any], session: ChatSession | None) -> dict[str, Any]:
         """A chat.completion body for a chat request body; a trajectory session records the call."""
+        self._no_stream_options(body)
         call = self._chat_call(body, session)
         start = time.perf_counter()
         completions = await self._sample(call.prompt_ids, call.sampling, call.num_samples, call.request_id)
@@ -530,6 +538,7 @@ class GenerationService:
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """A text_completion body for a completions request body (one prompt: a string or token ids)."""
+        self._no_stream_options(body)
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         num_top = self._num_text_log_probs(body)
         completions = await self._sample(prompt_ids, sampling, num_samples, new_id("cmpl"))

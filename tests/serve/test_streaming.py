@@ -129,6 +129,10 @@ def test_a_stream_cut_at_a_stop_string_sends_no_part_of_it(tool_tokenizer):
         with pytest.raises(openai.BadRequestError, match="stream_options=3 is invalid"):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True,
                                            stream_options=3)
+        for create, request in ((client.chat.completions.create, {"messages": [{"role": "user", "content": "x"}]}),
+                                (client.completions.create, {"prompt": "count:"})):
+            with pytest.raises(openai.BadRequestError, match="stream_options is only allowed with stream: true"):
+                create(model="m", stream_options={"include_usage": True}, **request)
     finally:
         served.close()
     assert content_of(chat) == "one " and chat[-1].choices[0].finish_reason == "stop"
