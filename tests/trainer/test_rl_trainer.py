@@ -289,7 +289,9 @@ def test_a_role_that_fails_to_start_stops_the_groups_started_before_it(rl_args, 
     """A critic whose weights do not load fails after the actor's group started: that group stops too (on Ray, its
     member processes, which would keep the pool's devices) and the run folder is unlocked, so the same process
     can start the run again once the critic is fixed."""
+    import json
     import shutil
+    import struct
     import threading
 
     from reinforge.config import load_config
@@ -298,7 +300,11 @@ def test_a_role_that_fails_to_start_stops_the_groups_started_before_it(rl_args, 
 
     broken = tmp_path / "critic"
     shutil.copytree(tiny_model_dir, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    # whole (as many bytes as its header describes, which the start-up check reads), but two tensors share their bytes
+    overlapping = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                   "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    header = json.dumps(overlapping).encode().ljust(88)
+    (broken / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     args = rl_args(tmp_path / "run", **{"critic.enable": True, "algorithm.adv_estimator": "gae"})
     before = {thread.name for thread in threading.enumerate()}
     with pytest.raises(WorkerCallError, match=r"worker group 'critic' \(CriticWorker\) rank 0 of 1 raised in "
