@@ -212,6 +212,10 @@ def _tokenized_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, t
         prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True, tools=tools)
         completions = []
         for key, turns in ((keys.chosen, chosen), (keys.rejected, rejected)):
+            if turns[0].get("role") != "assistant":
+                raise ValueError(f"{key!r} starts with a {turns[0].get('role')!r} message after the prompt; a "
+                                 "completion is the assistant's reply: start it with an assistant message (or move "
+                                 "the earlier turns into the prompt)")
             whole = _render(tokenizer, [*prompt, *turns], template, add_generation_prompt=False, tools=tools)
             if not whole.startswith(prompt_text):
                 raise ValueError(f"the chat template does not render {key!r} as a continuation of the prompt (it "

@@ -63,6 +63,13 @@ def test_explicit_conversational_pair_renders_the_prompt_with_the_generation_pro
     assert text(tokenizer, pair.rejected_ids) == "no<|im_end|>\n"
 
 
+def test_a_completion_that_does_not_start_with_the_assistant_is_refused_naming_its_role(tokenizer):
+    row = {**CONVERSATION_PAIR, "chosen": [{"role": "user", "content": "yes"}]}
+    with pytest.raises(ValueError, match="'chosen' starts with a 'user' message after the prompt; a completion is the "
+                                         "assistant's reply"):
+        tokenize_pair(tokenizer, row, KEYS)
+
+
 @pytest.mark.parametrize("as_text", [False, True])
 def test_a_tools_column_goes_to_the_chat_template_as_trl_passes_it(as_text):
     from reinforge.models.tiny import TOOL_CHAT_TEMPLATE
