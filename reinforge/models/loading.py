@@ -454,9 +454,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
             model_class = causal_lm_class(config)  # a VLM: the tower and the LM
             try:
                 with HeldLoadReport() as report:
-                    model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                       attn_implementation=attn_implementation, **placement,
-                                                       **NO_HUB_KERNELS)
+                    model, loading = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                                attn_implementation=attn_implementation, **placement,
+                                                                output_loading_info=True, **NO_HUB_KERNELS)
             except (ImportError, ValueError) as error:
                 if _attention_refused(error, attn_implementation):  # an unknown name, or its kernels not installed
                     raise ValueError(f"model.attn_implementation={attn_implementation}: transformers cannot load "
@@ -476,12 +476,37 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
                 raise ValueError(f"model.path={path}: its weights do not fit its config.json ({mismatch}); fix "
                                  "config.json's sizes to the weights', or point model.path at the folder they came "
                                  "with") from None
+            head = _new_output_layer(model, loading.get("missing_keys") or ())
+            if head is not None:
+                raise ValueError(f"model.path={path} holds no weights for {head}, the output layer of the causal LM "
+                                 f"{type(model).__name__} (its config.json names {_declared_architecture(path)}), "
+                                 "so it would sample from a new, random one; point model.path at the causal LM's "
+                                 "folder (...ForCausalLM), whose weights hold its output layer")
             report.release()
     model.to(device)
     model.config.use_cache = False
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def _new_output_layer(model: torch.nn.Module, missing_keys) -> str | None:
+    """The name of ``model``'s output layer weight where the checkpoint held none (transformers drew it at random: a
+    headless base model's folder, as AutoModel saves it); None where it was loaded, or is the tied embedding."""
+    output = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    weight = getattr(output, "weight", None)
+    if weight is None:
+        return None
+    names = [name for name, parameter in model.named_parameters() if parameter is weight]
+    return names[0] if names and names[0] in set(missing_keys) else None
+
+
+def _declared_architecture(path: str) -> str:
+    try:
+        architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        architectures = []
+    return ", ".join(str(name) for name in architectures) or "no architectures"
 
 
 def _attention_refused(error: BaseException, attn_implementation: str) -> bool:

@@ -282,6 +282,27 @@ def test_weights_of_other_shapes_than_the_config_builds_are_refused_in_one_line(
                         "came with", message)
 
 
+def test_a_base_models_folder_without_the_output_layer_is_refused_in_one_line(tmp_path):
+    """AutoModel's folder of an untied model holds no lm_head: loaded as a causal LM it would sample from a random
+    head, which transformers only reports in its load table."""
+    from transformers import AutoModel
+
+    from reinforge.models.tiny import build_char_tokenizer, save_hf_folder, tiny_config
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_config("qwen2", vocab_size=len(tokenizer), num_layers=1, tie_word_embeddings=False)
+    folder = save_hf_folder(AutoModel.from_config(config), tokenizer, tmp_path / "base")
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(str(folder), dtype=torch.float32, device="cpu")
+    assert str(error.value) == (
+        f"model.path={folder} holds no weights for lm_head.weight, the output layer of the causal LM Qwen2ForCausalLM "
+        "(its config.json names Qwen2Model), so it would sample from a new, random one; point model.path at the "
+        "causal LM's folder (...ForCausalLM), whose weights hold its output layer")
+    tied = tiny_config("qwen2", vocab_size=len(tokenizer), num_layers=1, tie_word_embeddings=True)
+    folder = save_hf_folder(AutoModel.from_config(tied), tokenizer, tmp_path / "tied")
+    load_causal_lm(str(folder), dtype=torch.float32, device="cpu")  # its head is the embedding it holds
+
+
 def test_an_attention_implementation_transformers_refuses_is_named_as_the_setting(tiny_model_dir):
     with pytest.raises(ValueError) as error:
         load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device="cpu", attn_implementation="flashy")
