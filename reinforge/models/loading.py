@@ -115,6 +115,57 @@ def _safetensors_size(file: Path) -> int | None:
     return 8 + length + max(ends, default=0)
 
 
+def mismatched_weight_shapes(path: str | Path, trust_remote_code: bool = False) -> str | None:
+    """What the safetensors headers of the local folder at ``path`` say of weights whose shapes differ from those of
+    the model its config.json builds (``meta_model``), read before any weight is: the first one's name and two shapes,
+    and how many more differ, in a few words; None where all fit, or nothing can be compared (a folder of ``.bin``
+    weights, a quantized one, a model not built here). A weight is matched by its name, with or without the model's
+    ``base_model_prefix`` (a causal LM's folder read for its body, or a body's folder for its causal LM)."""
+    folder = Path(path).expanduser()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("quantization_config"):  # packed weights of other shapes
+        return None
+    stored: dict[str, list[int]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        stored.update(_safetensors_shapes(file))
+    if not stored:
+        return None
+    model = meta_model(str(folder), trust_remote_code)
+    if model is None:
+        return None
+    built = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    differ = []
+    for name, shape in stored.items():
+        candidates = [name] + ([name.removeprefix(prefix), prefix + name] if prefix else [])
+        match = next((candidate for candidate in candidates if candidate in built), None)
+        if match is not None and built[match] != shape:
+            differ.append((name, shape, built[match]))
+    if not differ:
+        return None
+    name, shape, expected = differ[0]
+    more = f", and {len(differ) - 1} more tensors" if len(differ) > 1 else ""
+    return f"{name} is {shape} in the weights, {expected} in the model config.json builds{more}"
+
+
+def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
+    """The shape of each tensor a safetensors file's header describes; {} for a file or header that cannot be read
+    (``check_model_folder`` refuses those)."""
+    try:
+        with file.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if length > file.stat().st_size:
+                return {}
+            tensors = json.loads(handle.read(length))
+        return {name: [int(size) for size in entry["shape"]] for name, entry in tensors.items()
+                if name != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
 def float32_parameter_names(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
     """Names of ``model``'s parameters that transformers keeps in float32 when it loads the model in ``dtype``
     (``export.kept_in_float32``): in bfloat16 those its classes name in ``_keep_in_fp32_modules_strict`` (DeepSeek

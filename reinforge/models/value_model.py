@@ -20,12 +20,16 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from reinforge.models.export import atomic_folder
 from reinforge.models.loading import (
+    _ANSI,
     NO_HUB_KERNELS,
+    HeldLoadReport,
+    _mismatched_weights,
     attention_for,
     check_model_folder,
     enable_gradient_checkpointing,
     hub_errors_explained,
     is_local_path,
+    mismatched_weight_shapes,
     read_model_config,
 )
 
@@ -68,6 +72,30 @@ def body_outside_auto_model(config) -> bool:
     return type(body) is not MODEL_MAPPING.get(type(config), None)
 
 
+def shapes_refused(path: str, key: str, mismatch: str) -> str:
+    return (f"{key}={path}: its weights do not fit its config.json ({mismatch}); fix config.json's sizes to the "
+            f"weights', or point {key} at the folder they came with")
+
+
+def only_unused_weights(report: HeldLoadReport) -> bool:
+    """Whether the held load reports list only weights the model does not use (``UNEXPECTED``: a causal LM's output
+    layer read for its body), none missing or of another shape."""
+    statuses = [row.split("|")[1].strip() for record in report.records
+                for row in _ANSI.sub("", record.getMessage()).splitlines()[2:] if row.count("|") >= 2]
+    return all(status == "UNEXPECTED" for status in statuses)
+
+
+def check_critic_folder(path: str, key: str = "critic.model_path", trust_remote_code: bool = False) -> None:
+    """Refuse, in one line naming ``key`` and before any model loads, a local critic folder that would not load
+    whole: one ``check_model_folder`` refuses (missing, half-written, cut-off or garbage safetensors), or whose
+    safetensors weights have other shapes than its config.json builds. A folder without a causal LM's output layer
+    is a critic's as well as any: the value head replaces that layer."""
+    check_model_folder(path, key)
+    mismatch = mismatched_weight_shapes(path, trust_remote_code)
+    if mismatch is not None:
+        raise ValueError(shapes_refused(str(Path(path).expanduser()), key, mismatch))
+
+
 class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel, value_head: nn.Linear | None = None, seed: int = 0):
         super().__init__()
@@ -97,26 +125,38 @@ class ValueModel(nn.Module):
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", trust_remote_code: bool = False,
                         attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
-                        seed: int = 0) -> ValueModel:
-        """A critic from a causal LM folder (new head) or a folder written by save_pretrained (its head)."""
+                        seed: int = 0, key: str = "critic.model_path") -> ValueModel:
+        """A critic from a causal LM folder (new head) or a folder written by save_pretrained (its head); ``key``
+        is the setting that gave ``path``, for the one-line refusals of a folder that cannot load (those of
+        ``check_critic_folder``, and of weights of other shapes than its config.json builds)."""
         path = str(path)
         head_path = None
         if is_local_path(path):
-            check_model_folder(path)
+            check_critic_folder(path, key, trust_remote_code)
             path = str(Path(path).expanduser())
             if (Path(path) / VALUE_HEAD_FILE).is_file():
                 head_path = Path(path) / VALUE_HEAD_FILE
-        with hub_errors_explained(path):
-            causal_body = body_outside_auto_model(read_model_config(path, trust_remote_code))
+        with hub_errors_explained(path, key):
+            causal_body = body_outside_auto_model(read_model_config(path, trust_remote_code, key))
             attn_implementation = attention_for(path, trust_remote_code, attn_implementation,
                                                 MODEL_FOR_CAUSAL_LM_MAPPING if causal_body else MODEL_MAPPING)
-            if causal_body:  # the causal LM's body, its head dropped; saved, it reloads the same way
-                backbone = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                                attn_implementation=attn_implementation,
-                                                                **NO_HUB_KERNELS).base_model
-            else:
-                backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation, **NO_HUB_KERNELS)
+            try:
+                with HeldLoadReport() as report:
+                    if causal_body:  # the causal LM's body, its head dropped; saved, it reloads the same way
+                        backbone = AutoModelForCausalLM.from_pretrained(
+                            path, dtype=dtype, trust_remote_code=trust_remote_code,
+                            attn_implementation=attn_implementation, **NO_HUB_KERNELS).base_model
+                    else:
+                        backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                             attn_implementation=attn_implementation, **NO_HUB_KERNELS)
+            except RuntimeError as error:  # weights the headers could not show up front (.bin files)
+                mismatch = _mismatched_weights(report)
+                if mismatch is None or "ignore_mismatched_sizes" not in str(error):
+                    report.release()
+                    raise
+                raise ValueError(shapes_refused(path, key, mismatch)) from None
+            if not only_unused_weights(report):  # the causal LM's head, which the body leaves out, goes unsaid
+                report.release()
         backbone.config.use_cache = False
         value_head = build_value_head(output_width(backbone), seed)
         if head_path is not None:

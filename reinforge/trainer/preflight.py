@@ -47,6 +47,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context, warn_if_rollout_parts_from_training
 from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
 from reinforge.models.reward_model import HEADS, check_reward_model
+from reinforge.models.value_model import check_critic_folder
 from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
@@ -321,7 +322,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     warn_if_rollout_parts_from_training(config.model.path, longest, source)
     check_router_aux_loss_has_experts("actor.router_aux_loss_coef", config.actor.router_aux_loss_coef, config.model)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
-        check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
+        # else it fails once the actor has loaded
+        check_critic_folder(config.critic.model_path, "critic.model_path", config.model.trust_remote_code)
         warn_if_beyond_context(config.critic.model_path, longest, source)  # it scores every whole sequence
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)

@@ -39,7 +39,9 @@ class CriticWorker(Worker):
         apply_memory_plan(config)  # a no-op when the trainer or this process planned already
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
                                                 device="cpu" if critic.param_offload else self.device,
-                                                gradient_checkpointing=bool(config.model.gradient_checkpointing))
+                                                gradient_checkpointing=bool(config.model.gradient_checkpointing),
+                                                trust_remote_code=config.model.trust_remote_code,
+                                                key="critic.model_path" if critic.model_path else "model.path")
         if dropped := disable_dropout(self.model.backbone):
             logger.info(dropout_line(self.model.backbone, dropped))
         # the critic reads text only: a vision-language backbone's tower gets no gradient (and an offloaded optimizer's

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from transformers import LlamaModel, Qwen2Model
@@ -119,3 +121,32 @@ def test_a_bart_causal_lms_critic_reads_its_decoder_alone(tmp_path):
             torch.testing.assert_close(values[row, :count], alone, atol=1e-5, rtol=0)
         reloaded = ValueModel.from_pretrained(critic.save_pretrained(tmp_path / "critic")).eval()
         torch.testing.assert_close(reloaded(ids), critic(ids), atol=1e-6, rtol=0)
+
+
+def test_a_critic_folder_whose_weights_do_not_fit_its_config_is_refused_before_they_load(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """The actor's one line for weights of other shapes than config.json builds, for critic.model_path, read from the
+    safetensors headers: no weight is read (the load's own error pointed at transformers' report table)."""
+    import json
+    import shutil
+
+    import transformers
+
+    from reinforge.models.value_model import check_critic_folder
+
+    folder = tmp_path / "resized"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    with pytest.raises(ValueError) as refusal:
+        check_critic_folder(str(folder))
+    message = str(refusal.value)
+    assert re.fullmatch(rf"critic\.model_path={re.escape(str(folder))}: its weights do not fit its config\.json "
+                        r"\(model\.\S+ is \[[0-9, ]+\] in the weights, \[[0-9, ]+\] in the model config\.json builds, "
+                        r"and \d+ more tensors\); fix config\.json's sizes to the weights', or point critic\.model_path "
+                        "at the folder they came with", message)
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", None)  # refused before any load
+    with pytest.raises(ValueError) as refusal:
+        ValueModel.from_pretrained(folder)
+    assert str(refusal.value) == message
+    check_critic_folder(str(tiny_model_dir))  # its own config fits

@@ -74,6 +74,25 @@ def test_lengths_past_a_learned_position_table_are_refused_by_train_and_plan_bef
     assert not (tmp_path / "run").exists()
 
 
+def test_a_critic_whose_weights_do_not_fit_its_config_is_refused_before_the_actor_loads(rl_args, tiny_model_dir,
+                                                                                         tmp_path, capsys):
+    """critic.model_path's weights of other shapes than its config.json builds failed once the actor had loaded."""
+    import json
+    import shutil
+
+    folder = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    args = rl_args(tmp_path / "run", **{"critic.enable": True, "critic.model_path": folder,
+                                        "algorithm.adv_estimator": "gae"})
+    assert main(["train", *args]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"error: critic.model_path={folder}: its weights do not fit its config.json (") \
+        and "\n" not in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
     """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
     monkeypatch.setenv("WORLD_SIZE", "2")
