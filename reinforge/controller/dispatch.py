@@ -12,6 +12,9 @@ DP_COMPUTE gathers member results by type:
   - ``dict`` (metrics): numeric values are averaged over the members (each member saw an equal
     share of rows, padding included; names with the word ``max``, ``peak`` or ``slowest`` take the
     largest, with ``min`` the smallest), other values come from rank 0;
+
+A member's chunk names in its meta ``padding_rows`` how many of its last rows are padding (copies of other
+rows, added when the rows do not split evenly): a worker that reports totals over its rows leaves them out.
   - ``tuple``: gathered position by position with these same rules;
   - ``None`` from every member: ``None``; anything else: the list of results.
 """
@@ -85,6 +88,10 @@ def _plan_dp_compute(method_name: str, num_members: int, args: tuple[Any, ...], 
     split_kwargs = {key: split(value) for key, value in kwargs.items()}
     num_rows = next(iter(batch_lengths.values()))
     chunk_size = -(-num_rows // num_members)
+    for chunks in [*split_args, *split_kwargs.values()]:
+        for rank, chunk in enumerate(chunks):
+            if isinstance(chunk, Batch):
+                chunk.meta[PADDING_ROWS] = min(chunk_size, max(0, (rank + 1) * chunk_size - num_rows))
     return CallPlan(
         [(tuple(chunks[rank] for chunks in split_args), {key: chunks[rank] for key, chunks in split_kwargs.items()})
          for rank in range(num_members)],
@@ -120,6 +127,7 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
     marked = [Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": plan.num_padding})
               for chunk in chunks]
     merged = Batch.concat_unpadded(marked)
+    merged.meta.pop(PADDING_ROWS, None)
     summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
@@ -127,6 +135,9 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
             merged.meta[key] = average_metrics(values, summed)
     return merged
 
+
+PADDING_ROWS = "padding_rows"
+"""The meta key under which each member's chunk of a DP_COMPUTE call says how many of its last rows are padding."""
 
 SUMMED_METRICS = "summed_metrics"
 """The meta key under which a member's ``Batch`` names the metrics of its meta dicts that are totals over its rows,

@@ -92,6 +92,8 @@ class RewardOutput:
     given by the user (not the built-in scorers by data source)."""
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)
     """``logged_metric/<name>`` -> per sample, what its batch call logged through ``log_metric`` (NaN: nothing)."""
+    failures: list[str | None] = field(default_factory=list)
+    """Per sample, why it got the fallback score (``error``, ``timeout`` or ``memory``; None: it did not)."""
 
     def to_batch(self) -> Batch:
         """``token_level_scores`` plus one ``reward_<key>`` column per extra, one ``rewards/<name>`` column per
@@ -274,7 +276,7 @@ class RewardManager:
         return RewardOutput(
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
             scores=scores, extras=extras, metrics=metrics, function_scores=named,
-            logged_metrics=logged_metric_columns(logs, num_samples))
+            logged_metrics=logged_metric_columns(logs, num_samples), failures=failures)
 
     def _scorer_to_send(self, function: RewardFunction) -> Any:
         """The function as a job carries it: the object in this process, a spec or its pickle for the workers."""

@@ -7,9 +7,13 @@ from typing import Any
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
+from reinforge.controller.dispatch import PADDING_ROWS, SUMMED_METRICS
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
-from reinforge.reward.manager import RewardManager
+from reinforge.reward.manager import RewardManager, RewardOutput
+
+REWARD_TOTALS = ("reward/errors", "reward/timeouts", "reward/memory_exceeded", "reward/overlong/count")
+"""The reward metrics that count samples: several members' counts add up."""
 
 
 class RewardWorker(Worker):
@@ -23,8 +27,29 @@ class RewardWorker(Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def score(self, batch: Batch) -> Batch:
-        """token_level_scores (B, R) and one ``reward_<key>`` column per scorer extra (acc, pred, ...)."""
+        """token_level_scores (B, R) and one ``reward_<key>`` column per scorer extra (acc, pred, ...).
+
+        The counts (``REWARD_TOTALS``) add up over the members, and leave out the chunk's padding rows (``PADDING_ROWS``,
+        copies of other members' rows, which the controller drops): a chunk of padding alone counts nothing."""
         output = self.manager.score(batch)
         scored = output.to_batch()
-        scored.meta["reward_metrics"] = dict(output.metrics)
+        padding = int(batch.meta.get(PADDING_ROWS, 0))
+        scored.meta["reward_metrics"] = counted_rows(output, len(batch) - padding) if padding else dict(output.metrics)
+        scored.meta[SUMMED_METRICS] = tuple(name for name in scored.meta["reward_metrics"] if name in REWARD_TOTALS)
         return scored
+
+
+def counted_rows(output: RewardOutput, rows: int) -> dict[str, float]:
+    """``output.metrics`` over its first ``rows`` samples alone (the overlong fraction left out where none)."""
+    failures = output.failures[:rows]
+    metrics = {**output.metrics, "reward/errors": float(failures.count("error")),
+               "reward/timeouts": float(failures.count("timeout")),
+               "reward/memory_exceeded": float(failures.count("memory"))}
+    if "reward/overlong/count" in metrics:
+        shaped = sum(float(penalty) < 0 for penalty in output.extras.get("overlong_penalty", [])[:rows])
+        metrics["reward/overlong/count"] = float(shaped)
+        if rows:
+            metrics["reward/overlong/fraction"] = shaped / rows
+        else:
+            metrics.pop("reward/overlong/fraction", None)
+    return metrics
