@@ -96,6 +96,31 @@ def check_critic_folder(path: str, key: str = "critic.model_path", trust_remote_
         raise ValueError(shapes_refused(str(Path(path).expanduser()), key, mismatch))
 
 
+def check_critic_reads_policy_ids(path: str, policy_tokenizer, key: str = "critic.model_path",
+                                  trust_remote_code: bool = False) -> None:
+    """The critic reads the policy's token ids as they are: refuse (one line naming ``key``) a local critic folder
+    whose tokenizer gives any of the policy's tokens another id or none, or whose embedding has fewer rows than the
+    policy's tokenizer has ids (the critic's lookup fails on the first id past them, after a rollout)."""
+    from reinforge.models.loading import TOKENIZER_FILES, load_tokenizer, tokens_read_otherwise
+
+    folder = Path(path).expanduser()
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        moved = tokens_read_otherwise(policy_tokenizer, load_tokenizer(str(folder),
+                                                                       trust_remote_code=trust_remote_code))
+        if moved:
+            raise ValueError(f"{key}={path}: the critic reads the policy's token ids, but {len(moved)} of the "
+                             f"policy's {len(policy_tokenizer.get_vocab())} tokens (first {moved[0]!r}) have another "
+                             "id or none in its tokenizer; point it at a model of the policy's tokenizer, or unset it "
+                             "to start the critic from model.path")
+    text_config = read_model_config(str(folder), trust_remote_code, key)
+    text_config = text_config.get_text_config() if hasattr(text_config, "get_text_config") else text_config
+    rows = getattr(text_config, "vocab_size", None)
+    if isinstance(rows, int) and rows < len(policy_tokenizer):
+        raise ValueError(f"{key}={path}: the critic reads the policy's token ids, {len(policy_tokenizer)} of them, "
+                         f"but its embedding has {rows} rows (vocab_size in its config.json); point it at a model of "
+                         "the policy's vocabulary, or unset it to start the critic from model.path")
+
+
 class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel, value_head: nn.Linear | None = None, seed: int = 0):
         super().__init__()

@@ -93,6 +93,45 @@ def test_a_critic_whose_weights_do_not_fit_its_config_is_refused_before_the_acto
     assert not (tmp_path / "run").exists()
 
 
+def test_a_critic_that_reads_the_policys_ids_otherwise_is_refused_before_a_model_loads(rl_args, tiny_model_dir,
+                                                                                        tmp_path, capsys):
+    """The critic reads the policy's token ids: another tokenizer's ids gave silently wrong values, an embedding of
+    fewer rows an IndexError in compute_values after the first rollout."""
+    import json
+    import shutil
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_model_dir, swapped)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    fewer = tmp_path / "fewer"
+    shutil.copytree(tiny_model_dir, fewer)
+    (fewer / "tokenizer.json").unlink()  # a body without a tokenizer of its own is read by its embedding alone
+    (fewer / "tokenizer_config.json").unlink()
+    config = json.loads((fewer / "config.json").read_text())
+    (fewer / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    from safetensors.torch import load_file, save_file
+    weights = load_file(fewer / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:100].clone()
+    save_file(weights, fewer / "model.safetensors", metadata={"format": "pt"})
+    expected = {swapped: f"error: critic.model_path={swapped}: the critic reads the policy's token ids, but 2 of the "
+                         f"policy's {config['vocab_size']} tokens (first 'a') have another id or none in its "
+                         "tokenizer; point it at a model of the policy's tokenizer, or unset it to start the critic "
+                         "from model.path",
+                fewer: f"error: critic.model_path={fewer}: the critic reads the policy's token ids, "
+                       f"{config['vocab_size']} of them, but its embedding has 100 rows (vocab_size in its "
+                       "config.json); point it at a model of the policy's vocabulary, or unset it to start the critic "
+                       "from model.path"}
+    for folder, line in expected.items():
+        args = rl_args(tmp_path / "run", **{"critic.enable": True, "critic.model_path": folder,
+                                            "algorithm.adv_estimator": "gae"})
+        assert main(["train", *args]) == 2
+        assert capsys.readouterr().err.strip() == line
+        assert not (tmp_path / "run").exists()
+
+
 def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
     """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
     monkeypatch.setenv("WORLD_SIZE", "2")
