@@ -395,6 +395,7 @@ class RolloutSide:
         )
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
+        output.meta[SUMMED_METRICS] = rollout_totals(output.meta["rollout_metrics"])  # several workers add them up
         return output
 
     def _generate_agents(self, batch: Batch, sampling: SamplingParams, seed: int, phases: _PhaseTimer) -> Batch:
@@ -429,7 +430,8 @@ class RolloutSide:
             output.meta["rollout_metrics"] |= count_metrics(*counts)
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
-        output.meta[SUMMED_METRICS] = agent_totals(output.meta["rollout_metrics"])  # several workers add them up
+        metrics = output.meta["rollout_metrics"]
+        output.meta[SUMMED_METRICS] = agent_totals(metrics) + rollout_totals(metrics)  # several workers add them up
         return output
 
     @contextlib.contextmanager
@@ -443,6 +445,17 @@ class RolloutSide:
             raise
         self.rollout_engine.sleep()
         phases.lap("sleep")
+
+
+ROLLOUT_TOTALS = ("rollout/num_generated_tokens", "rollout/num_preempted", "rollout/prefix_cache_hit_tokens",
+                  "rollout/prefill_tokens", "rollout/num_prefill_steps", "rollout/num_decode_steps",
+                  "rollout/num_decode_rows")
+"""The engine's rollout metrics that count over its requests: the members of a group generate their shares side by
+side, so their counts add up (the seconds and rates stay their mean)."""
+
+
+def rollout_totals(metrics: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(name for name in ROLLOUT_TOTALS if name in metrics)
 
 
 def _vision_processor(config: Config) -> Any:

@@ -211,3 +211,24 @@ def test_the_rollout_copy_keeps_in_float32_what_transformers_keeps_loading_in_it
     kept = {f"{prefix}.{name}" for unit in float32_units(plain, dtype) for prefix, module in plain.named_modules()
             if module is unit for name, _ in module.named_parameters()}
     assert kept == {name for name, parameter_dtype in expected.items() if parameter_dtype == torch.float32}
+
+
+def test_the_native_engines_counts_add_up_over_the_members(tiny_model_dir):
+    """Two members generate half the samples each: the group's rollout/num_generated_tokens is the one member's count
+    of the whole batch, not the members' mean."""
+    from reinforge.controller.dispatch import collect_results, plan_member_calls
+    from reinforge.controller.register import Dispatch, Execute, MethodSpec
+    from reinforge.protocol import samples_of
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    batch, sampling, spec = samples_of(prompt_batch(), 2), SamplingParams(max_tokens=6), MethodSpec(Dispatch.DP_COMPUTE,
+                                                                                                   Execute.ALL)
+    whole = worker.generate(batch, sampling, 7)
+    plan = plan_member_calls(spec, "generate", 2, (batch, sampling, 7), {})
+    merged = collect_results(spec, plan, "generate", [worker.generate(*args) for args, _ in plan.member_arguments])
+    assert torch.equal(merged["responses"], whole["responses"])
+    count = whole.meta["rollout_metrics"]["rollout/num_generated_tokens"]
+    assert count == float(whole["response_mask"].sum()) > 0
+    assert merged.meta["rollout_metrics"]["rollout/num_generated_tokens"] == count
