@@ -1,8 +1,10 @@
 """JSON-lines files of a run: ``metrics.jsonl`` (one object per step) and ``samples.jsonl``.
 
 Every line is flushed and fsynced as it is written, so a killed run loses at most the line it
-was writing; readers skip such a half-written line. On resume, lines of steps after the
-checkpoint are dropped so that the files stay exact (a resumed step is logged again).
+was writing; readers skip such a half-written line, and a writer that opens the file again starts on a line of its
+own. On resume, lines of steps after the checkpoint are dropped so that the files stay exact (a resumed step is
+logged again). Every line is strict JSON: a NaN or infinite value is written as ``null``, as JavaScript and pandas
+write it (Python's own ``NaN`` and ``Infinity`` are no JSON, and jq, DuckDB or a browser refuse the line).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -48,9 +51,48 @@ def write_failure(path: Path, error: OSError, what: str, setting: str = "trainer
     return LogWriteError(error.errno, f"cannot write {path} ({what}): {reason}; {fix}", str(path))
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with each NaN or infinite float in it (in lists and dicts too) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of strict JSON (no newline): NaN and infinities as null, other objects as their str."""
+    try:
+        return json.dumps(record, default=str, allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere in it
+        return json.dumps(_finite(record), default=str, allow_nan=False)
+
+
+def open_for_appending(path: Path) -> IO[str]:
+    """``path`` opened to append lines; a last line a kill cut short is ended first, so that the next line is a
+    line of its own (readers skip the cut one) rather than glued to it and lost with it."""
+    try:
+        with open(path, "rb") as existing:
+            existing.seek(0, os.SEEK_END)
+            cut = existing.tell() > 0 and existing.seek(-1, os.SEEK_END) >= 0 and existing.read(1) != b"\n"
+    except FileNotFoundError:
+        cut = False
+    handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
+    if cut:
+        try:
+            handle.write("\n")
+            handle.flush()
+        except BaseException:
+            handle.close()
+            raise
+    return handle
+
+
 def append_json_line(handle: IO[str], record: dict[str, Any]) -> None:
     try:
-        handle.write(json.dumps(record, default=str) + "\n")
+        handle.write(json_line(record) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
     except OSError as error:
@@ -97,7 +139,7 @@ def truncate_after_step(path: Path, step: int) -> int:
     try:
         with replaced_atomically(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
             for record in kept:
-                handle.write(json.dumps(record, default=str) + "\n")
+                handle.write(json_line(record) + "\n")
     except OSError as error:
         raise write_failure(path, error, f"dropping its lines after step {step}, to resume there") from None
     return num_lines - len(kept)
@@ -110,7 +152,7 @@ class JsonlBackend(TrackingBackend):
     def __init__(self, run: RunInfo):
         self.metrics_path = run.run_dir / METRICS_FILE
         self.samples_path = run.run_dir / SAMPLES_FILE
-        self._metrics = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+        self._metrics = open_for_appending(self.metrics_path)  # open for the whole run
         self._samples: IO[str] | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -118,7 +160,7 @@ class JsonlBackend(TrackingBackend):
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         if self._samples is None:
-            self._samples = open(self.samples_path, "a", encoding="utf-8")  # noqa: SIM115
+            self._samples = open_for_appending(self.samples_path)
         for row in rows:
             append_json_line(self._samples, {"step": step, **row})
 
@@ -126,7 +168,7 @@ class JsonlBackend(TrackingBackend):
         self.close()
         truncate_after_step(self.metrics_path, step)
         truncate_after_step(self.samples_path, step)
-        self._metrics = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._metrics = open_for_appending(self.metrics_path)
 
     def close(self) -> None:
         # every whole line is already on disk; a close can only fail on the rest of a line a full disk cut

@@ -306,7 +306,8 @@ class TrainingRun:
         merged: dict[str, float] = {}
         for record in read_json_lines(path) if path.is_file() else []:
             if record.get("step") == step and not record.get("training/skipped_step"):
-                merged |= {key: value for key, value in record.items() if key != "step"}
+                # null: a NaN or an infinity, which strict JSON cannot hold (tracking.jsonl.json_line)
+                merged |= {key: float("nan") if value is None else value for key, value in record.items() if key != "step"}
         return merged
 
 

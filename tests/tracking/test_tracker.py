@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from reinforge.tracking import Tracker, to_float, truncate_after_step
+from reinforge.tracking import Tracker, read_json_lines, to_float, truncate_after_step
 
 
 def read_lines(path):
@@ -41,6 +41,39 @@ def test_truncate_after_resume_drops_later_steps_and_keeps_appending(tmp_path):
     assert [(line["step"], line["loss"]) for line in read_lines(tmp_path / "metrics.jsonl")] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     assert [line["response"] for line in read_lines(tmp_path / "samples.jsonl")] == ["r1", "r2", "r3"]
+
+
+def test_a_line_a_kill_cut_short_costs_only_itself_when_the_file_is_opened_again(tmp_path):
+    with Tracker(tmp_path, ["jsonl"]) as tracker:
+        tracker.log({"loss": 1}, step=1)
+        tracker.log_samples(1, [{"response": "r1"}])
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        with (tmp_path / name).open("a") as handle:
+            handle.write('{"step": 2, "lo')
+    with Tracker(tmp_path, ["jsonl"]) as tracker:  # appended to as it is, no truncate_after
+        tracker.log({"loss": 2}, step=2)
+        tracker.log_samples(2, [{"response": "r2"}])
+    with pytest.warns(UserWarning, match="line 2"):
+        assert [row["loss"] for row in read_json_lines(tmp_path / "metrics.jsonl")] == [1.0, 2.0]
+    with pytest.warns(UserWarning, match="line 2"):
+        assert [row["response"] for row in read_json_lines(tmp_path / "samples.jsonl")] == ["r1", "r2"]
+
+
+def test_nan_and_infinite_values_are_written_as_strict_json_null(tmp_path):
+    def strict(line):
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON: {line}"))
+
+    with Tracker(tmp_path, ["jsonl"]) as tracker:
+        tracker.log({"actor/grad_norm": float("inf"), "loss": float("nan"), "kl": -np.inf, "score": 0.5}, step=1)
+        tracker.log_samples(1, [{"response": "r", "score": float("nan"), "scores": [1.0, float("inf")]}])
+        tracker.log({"loss": 1.0}, step=2)
+    assert [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "actor/grad_norm": None, "loss": None, "kl": None, "score": 0.5}, {"step": 2, "loss": 1.0}]
+    assert [strict(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [
+        {"step": 1, "response": "r", "score": None, "scores": [1.0, None]}]
+    truncate_after_step(tmp_path / "metrics.jsonl", 1)  # rewritten as strict JSON too
+    assert [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "actor/grad_norm": None, "loss": None, "kl": None, "score": 0.5}]
 
 
 def test_truncate_after_step_reports_removed_lines(tmp_path):
