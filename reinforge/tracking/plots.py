@@ -54,7 +54,9 @@ def load_run_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             continue
         step = int(record["step"])
         for key, value in record.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            if key != "step" and value is None:  # a NaN or an infinity (jsonl writes them as null): a gap
+                by_key.setdefault(key, {})[step] = float("nan")
+            elif key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 by_key.setdefault(key, {})[step] = float(value)
     return {key: sorted(points.items()) for key, points in by_key.items()}
 
@@ -86,13 +88,33 @@ def _run_labels(run_dirs: list[Path]) -> list[str]:
     return [f"{path.resolve().parent.name}/{path.resolve().name}" for path in run_dirs]
 
 
+class NothingToPlot(ValueError):
+    """The runs' ``metrics.jsonl`` hold no metric yet."""
+
+
+def chart_file_names(keys: list[str]) -> dict[str, str]:
+    """Key -> its chart's file name: the key with slashes as underscores, ``.png``; a key whose name another key
+    of ``keys`` took already (``a/b`` and ``a_b``) gets ``-2``, ``-3``... rather than drawing over that chart."""
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for key in dict.fromkeys(keys):
+        stem = key.replace("/", "_")
+        name, number = f"{stem}.png", 1
+        while name in taken:
+            number += 1
+            name = f"{stem}-{number}.png"
+        names[key] = name
+        taken.add(name)
+    return names
+
+
 def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str] | None = None,
               smoothing: float = 0.6, runs: list[dict[str, list[tuple[int, float]]]] | None = None,
               folder_setting: str = "--out") -> list[Path]:
     """Write one PNG per metric key and return their paths.
 
     ``out_dir`` defaults to ``RUN_DIR/plots`` for one run, and to a ``plots`` folder next to the
-    first run for several. Files are named after the key with slashes as underscores. ``runs``: each
+    first run for several. Files are named after the key with slashes as underscores (``chart_file_names``). ``runs``: each
     run's ``load_run_metrics``, already read (None: read here). ``folder_setting``: what a failed write's line
     says to point elsewhere (the command's flag, or a training run's ``trainer.output_dir``).
     """
@@ -107,9 +129,14 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
     smooth([], smoothing)  # validates smoothing before any work
     runs = [load_run_metrics(path) for path in run_dirs] if runs is None else runs
     available = list(dict.fromkeys(key for run in runs for key in run))
+    if not available:
+        files = ", ".join(str(path / METRICS_FILE) for path in run_dirs)
+        raise NothingToPlot(f"{files} {'holds' if len(run_dirs) == 1 else 'hold'} no metrics yet (no step has ended); "
+                            "draw the charts once the run has logged a step")
     if keys is None:
         keys = default_keys(available)
     else:
+        keys = list(dict.fromkeys(keys))  # a key named twice is drawn once
         missing = [key for key in keys if key not in available]
         keys = [key for key in keys if key in available]
         if missing:
@@ -131,6 +158,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
 
     written = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    file_names = chart_file_names(keys)
     for key in keys:
         figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
         for index, (label, run) in enumerate(zip(_run_labels(run_dirs), runs, strict=True)):
@@ -146,7 +174,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
         axes.grid(alpha=0.3)
         axes.legend(loc="best", fontsize="small")
         figure.tight_layout()
-        path = out_dir / (key.replace("/", "_") + ".png")
+        path = out_dir / file_names[key]
         # written beside and renamed over: a run killed mid-write (a demo's plots are redrawn at each run) never
         # leaves a half-written PNG where the last good one was
         try:
@@ -211,14 +239,20 @@ def plot_main(argv: list[str]) -> int:
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
-            written = plot_runs(args.run_dirs, args.out, keys, args.smoothing)
+            runs = [load_run_metrics(path) for path in args.run_dirs]
+            written = plot_runs(args.run_dirs, args.out, keys, args.smoothing, runs=runs)
+    except NothingToPlot as error:  # a run that has not ended a step yet
+        print(f"reinforge plot: {error}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as error:  # a folder that is no run, a key no run has: a usage error
         print(f"reinforge plot: {error}", file=sys.stderr)
         return 2
-    for note in notes:
-        print(f"reinforge plot: {note.message}", file=sys.stderr)
+    for note in dict.fromkeys(str(note.message) for note in notes):  # a cut line of a run is named once
+        print(f"reinforge plot: {note}", file=sys.stderr)
     if not written:
-        print("reinforge plot: nothing to plot; pass --keys with keys from metrics.jsonl", file=sys.stderr)
+        available = sorted(dict.fromkeys(key for run in runs for key in run))
+        print(f"reinforge plot: the runs have none of the keys charted by default (reward, KL, entropy, response "
+              f"length, loss, validation); pass --keys with some of: {', '.join(available)}", file=sys.stderr)
         return 1
     for path in written:
         print(path)

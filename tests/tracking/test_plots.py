@@ -1,9 +1,11 @@
 import gc
 import json
+import math
+from pathlib import Path
 
 import pytest
 
-from reinforge.tracking.plots import plot_main, plot_runs, smooth
+from reinforge.tracking.plots import load_run_metrics, plot_main, plot_runs, smooth
 
 
 def write_run(folder, num_steps, offset=0.0, tail=""):
@@ -72,6 +74,31 @@ def test_plot_main_names_unknown_keys_with_a_guess_in_one_line(tmp_path, capsys)
     captured = capsys.readouterr()
     assert captured.err == "reinforge plot: no run has the key nosuch; skipping it\n"
     assert captured.out.strip() == str(run / "plots" / "actor_entropy.png")
+
+
+def test_plot_main_on_a_run_without_metrics_yet_or_without_default_keys_says_so_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    for keys in ([], ["--keys", "critic/score/mean"]):
+        assert plot_main([str(run), *keys]) == 1
+        assert capsys.readouterr().err == (f"reinforge plot: {run / 'metrics.jsonl'} holds no metrics yet (no step has "
+                                           "ended); draw the charts once the run has logged a step\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "my/metric": 1.0}\n')
+    assert plot_main([str(run)]) == 1
+    assert capsys.readouterr().err.endswith("; pass --keys with some of: my/metric\n")
+
+
+def test_keys_that_name_the_same_file_each_get_a_chart_and_nan_or_null_values_draw(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "a/b": 1.0, "a_b": 2.0, "x y": null}\n'
+                                       '{"step": 2, "a/b": NaN, "a_b": Infinity, "x y": 1.0}\n')
+    assert plot_main([str(run), "--keys", "a/b,a_b,x y,a/b"]) == 0
+    written = capsys.readouterr().out.split("\n")[:-1]
+    assert [Path(path).name for path in written] == ["a_b.png", "a_b-2.png", "x y.png"]
+    assert all(is_png(Path(path)) for path in written)
+    assert load_run_metrics(run)["x y"][1] == (2, 1.0) and math.isnan(load_run_metrics(run)["x y"][0][1])
 
 
 def test_smoothing_is_debiased_and_validated():
