@@ -85,6 +85,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     """Write ``out_dir`` as an HF model folder in ``dtype`` (None: the checkpoint's, ``checkpoint_dtype``); a non-empty
     ``out_dir`` is refused unless ``force``."""
     out = Path(out_dir)
+    if out.name in ("", ".", ".."):  # the working folder (or one above): the folder is written beside, then renamed
+        out = out.resolve()
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file, not a folder; choose a folder for the model (it may not exist yet)")
     if out.exists() and any(out.iterdir()) and not force:
@@ -111,12 +113,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     adapter_folder = folder / "adapter"
     if (adapter_folder / "adapter_config.json").is_file():  # a VLM's folder keeps its processor, as hf/ does
         return _export_lora(adapter_folder, state, load_processor(hf_folder) if is_vision_language(config) else
-                            tokenizer, Path(out_dir), dtype, config if classifier else None, hf_folder)
+                            tokenizer, out, dtype, config if classifier else None, hf_folder)
     # a reward model of `reinforge rm` stays the classifier it trained as: its score head is in the state, no lm_head
     if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
         model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32, **NO_HUB_KERNELS)
         model.load_state_dict(state, strict=False)
-        return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype, processor_files_from=hf_folder)
+        return save_hf_folder(model, load_processor(hf_folder), out, dtype=dtype, processor_files_from=hf_folder)
     model_class = classifier or AutoModelForCausalLM
     model = model_class.from_config(config, dtype=torch.float32)  # the state's float32, not the dtype hf/ names
     if set(model.state_dict()) - set(state):  # frozen weights (a multimodal wrapper's tower, which text never reaches)
@@ -129,7 +131,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
         model.load_state_dict(state)
         if (hf_folder / "generation_config.json").is_file():  # from_config derives one from the config alone
             model.generation_config = GenerationConfig.from_pretrained(hf_folder)
-    return save_hf_folder(model, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
+    return save_hf_folder(model, tokenizer, out, dtype=dtype, processor_files_from=hf_folder)
 
 
 def load_trained_weights(checkpoint: str | Path, model: torch.nn.Module) -> bool:

@@ -81,3 +81,12 @@ def test_output_inside_the_checkpoints_folder_is_refused(sft_run, name):
     with pytest.raises(FileExistsError, match="the run's checkpoints folder"):
         export_checkpoint(sft_run, out)
     assert not out.exists()
+
+
+def test_export_into_the_working_folder_given_as_a_dot(sft_run, tmp_path, monkeypatch):
+    out = tmp_path / "model"
+    out.mkdir()
+    monkeypatch.chdir(out)  # `reinforge export RUN .` from the empty folder the model is meant for
+    assert main(["export", str(sft_run), "."]) == 0
+    assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type
