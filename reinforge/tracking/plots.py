@@ -236,6 +236,10 @@ def plot_main(argv: list[str]) -> int:
     parser.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1); 0 turns it off")
     args = parser.parse_args(argv)
     keys = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None
+    if keys == []:
+        print(f"reinforge plot: --keys {args.keys!r} names no key; give metric keys separated by commas, or leave "
+              "--keys out for the default charts", file=sys.stderr)
+        return 2
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")

@@ -87,6 +87,9 @@ def test_plot_main_on_a_run_without_metrics_yet_or_without_default_keys_says_so_
     (run / "metrics.jsonl").write_text('{"step": 1, "my/metric": 1.0}\n')
     assert plot_main([str(run)]) == 1
     assert capsys.readouterr().err.endswith("; pass --keys with some of: my/metric\n")
+    assert plot_main([str(run), "--keys", " , "]) == 2  # was taken as no key at all, and nothing drawn
+    assert capsys.readouterr().err == ("reinforge plot: --keys ' , ' names no key; give metric keys separated by "
+                                       "commas, or leave --keys out for the default charts\n")
 
 
 def test_keys_that_name_the_same_file_each_get_a_chart_and_nan_or_null_values_draw(tmp_path, capsys):
