@@ -321,6 +321,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     warn_if_beyond_context(config.model.path, longest, source)  # refused here where positions are a learned table
     warn_if_rollout_parts_from_training(config.model.path, longest, source)
     check_router_aux_loss_has_experts("actor.router_aux_loss_coef", config.actor.router_aux_loss_coef, config.model)
+    check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
+    require_peft(config.model.lora)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
         # else it fails once the actor has loaded
         check_critic_folder(config.critic.model_path, "critic.model_path", config.model.trust_remote_code)
@@ -343,8 +345,6 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         ModelShape.from_model_path(config.model.path).vision is not None
     if not plan_after_data:
         apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
-    check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
-    require_peft(config.model.lora)
     check_plugin_engine(config.rollout.name)  # hf, native, or an engine a package adds through its entry point
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)

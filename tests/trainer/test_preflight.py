@@ -132,6 +132,16 @@ def test_a_critic_that_reads_the_policys_ids_otherwise_is_refused_before_a_model
         assert not (tmp_path / "run").exists()
 
 
+def test_adapters_on_no_layer_are_refused_before_the_memory_plan_is_logged(rl_args, tmp_path, capsys, caplog):
+    """The plan's table (whose model line put the adapters on the default projections) came before the refusal."""
+    import logging
+
+    args = rl_args(tmp_path / "run", **{"model.lora.rank": 4, "model.lora.target_modules": "[nope]"})
+    with caplog.at_level(logging.INFO):
+        assert main(["train", *args]) == 2
+    assert "names no linear layer" in capsys.readouterr().err and "memory plan" not in caplog.text
+
+
 def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
     """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
     monkeypatch.setenv("WORLD_SIZE", "2")
