@@ -75,6 +75,13 @@ def model_folder(path: str) -> str:
     return folder
 
 
+def is_override(item: str) -> bool:
+    """Whether a word after the model is an ``a.b=c`` override rather than a data file: a path may hold ``=`` too (a
+    partitioned dataset's ``split=test/``), so a word that names a file, or whose part before ``=`` is a path, is one."""
+    key, equals, _ = item.partition("=")
+    return bool(equals) and "/" not in key and not Path(item).expanduser().exists()
+
+
 def eval_main(argv: list[str]) -> int:
     """``reinforge eval MODEL DATA [DATA ...] [a.b=c ...]``: prints the metrics as JSON."""
     parser = argparse.ArgumentParser(prog="reinforge eval",
@@ -84,8 +91,8 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("data", nargs="+", help="parquet/JSONL files of prompts in the RL schema, then a.b=c "
                                                 "overrides such as data.max_response_length=16 rollout.val_kwargs.n=4")
     args = parser.parse_args(argv)
-    files = [item for item in args.data if "=" not in item]
-    overrides = [item for item in args.data if "=" in item]
+    overrides = [item for item in args.data if is_override(item)]
+    files = [item for item in args.data if not is_override(item)]
     if not files:
         raise ConfigError("reinforge eval needs at least one data file of prompts, e.g. data/arithmetic/test.parquet")
     for name in files:  # named as the command line gave them (load_config would name data.val_files)

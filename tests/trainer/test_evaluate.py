@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from reinforge.config import load_config
-from reinforge.trainer.evaluate import eval_main, evaluate
+from reinforge.trainer.evaluate import eval_main, evaluate, is_override
 
 
 def test_evaluate_reports_mean_accuracy(tiny_model_dir, arithmetic_data_dir):
@@ -33,6 +33,13 @@ def test_eval_names_a_missing_file_or_model_folder_as_given_on_its_command_line(
         eval_main([str(tiny_model_dir), "nosuch.parquet"])
     with pytest.raises(ConfigError, match=r"^reinforge eval: model folder '.*no_model' does not exist"):
         eval_main([str(tmp_path / "no_model"), str(arithmetic_data_dir / "test.parquet")])
+    partitioned = tmp_path / "split=test"  # a data file whose path holds '=' was taken for an a.b=c override
+    partitioned.mkdir()
+    (partitioned / "test.parquet").write_bytes((arithmetic_data_dir / "test.parquet").read_bytes())
+    with pytest.raises(ConfigError, match=r"^reinforge eval: data file '.*split=test/nosuch.parquet' does not exist"):
+        eval_main([str(tiny_model_dir), str(partitioned / "nosuch.parquet")])
+    assert is_override("data.max_response_length=4") and not is_override(str(partitioned / "test.parquet"))
+    assert not is_override(f"{partitioned}/*.parquet")
 
 
 def test_eval_reads_a_checkpoint_folder_or_a_run_folder_as_serve_does(tiny_model_dir, arithmetic_data_dir, tmp_path,
