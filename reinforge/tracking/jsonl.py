@@ -106,7 +106,7 @@ def append_json_line(handle: IO[str], record: dict[str, Any]) -> None:
 def read_json_lines(path: Path) -> list[dict[str, Any]]:
     """The records of a JSON-lines file; malformed lines (a half-written last one) are skipped with a warning."""
     records = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:  # bytes a crash left are a malformed line
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -121,28 +121,37 @@ def read_json_lines(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _kept(line: str, step: int) -> bool:
+    """Whether a line of a JSON-lines file stays when the file is cut back to ``step``: a record of that step or
+    an earlier one (or of none); a malformed line goes."""
+    try:
+        record = json.loads(line)
+        return isinstance(record, dict) and int(record.get("step", 0)) <= step
+    except (ValueError, TypeError, OverflowError):  # a cut line, or a step that is no number
+        return False
+
+
 def truncate_after_step(path: Path, step: int) -> int:
     """Rewrite ``path`` without the records whose ``step`` is greater than ``step``; returns how many went.
 
-    Malformed lines go too. The file is replaced atomically, so a crash here leaves the old or the new one.
+    Malformed lines go too; the others are kept as they are, read and written one at a time (a long run's
+    ``samples.jsonl`` holds gigabytes). The file is replaced atomically, so a crash here leaves the old or the new one.
     """
     if not path.exists():
         return 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        records = read_json_lines(path)
-    kept = [record for record in records if int(record.get("step", 0)) <= step]
-    with open(path, encoding="utf-8") as handle:
-        num_lines = sum(1 for line in handle if line.strip())
-    if len(kept) == num_lines:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        dropped = sum(1 for line in handle if line.strip() and not _kept(line, step))
+    if not dropped:
         return 0
     try:
-        with replaced_atomically(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
-            for record in kept:
-                handle.write(json_line(record) + "\n")
+        with (replaced_atomically(path) as temporary, open(path, encoding="utf-8", errors="replace") as source,
+              open(temporary, "w", encoding="utf-8") as handle):
+            for line in source:
+                if line.strip() and _kept(line, step):
+                    handle.write(line if line.endswith("\n") else line + "\n")
     except OSError as error:
         raise write_failure(path, error, f"dropping its lines after step {step}, to resume there") from None
-    return num_lines - len(kept)
+    return dropped
 
 
 @register_tracking_backend("jsonl")

@@ -82,6 +82,12 @@ def test_truncate_after_step_reports_removed_lines(tmp_path):
     assert truncate_after_step(path, 1) == 2
     assert truncate_after_step(path, 1) == 0
     assert truncate_after_step(tmp_path / "absent.jsonl", 1) == 0
+    with path.open("ab") as handle:  # what a crash may leave at the end: bytes that are no UTF-8
+        handle.write(b'{"step": 1, "a": 1}\n\xff\xfe{"st')
+    with pytest.warns(UserWarning, match="skipping malformed line 4"):
+        assert read_json_lines(path) == [{"step": 0}, {"step": 1}, {"step": 1, "a": 1}]
+    assert truncate_after_step(path, 1) == 1
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n{"step": 1, "a": 1}\n'
 
 
 def test_console_backend_and_progress_print_key_metrics(tmp_path):
