@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -520,8 +520,13 @@ def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name: tensor for name, tensor in state.items() if ".lora_A." in name or ".lora_B." in name}
 
 
-def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: LoraConfig, base_model_path: str) -> None:
-    """peft's adapter format (adapter_config.json, adapter_model.safetensors), loadable by PeftModel.from_pretrained."""
+def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: LoraConfig, base_model_path: str,
+                         state_names: Iterable[str] = ()) -> None:
+    """peft's adapter format (adapter_config.json, adapter_model.safetensors), loadable by PeftModel.from_pretrained.
+
+    ``state_names``: the names of the adapted model's whole state. Where the adapted layers' last names also name
+    layers that got no adapter (targets such as ``layers.0.self_attn.q_proj``), the folder names the adapted layers
+    by their full names, so that peft adapts those and no others when it loads the folder."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -529,7 +534,11 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
     peft_names = {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().cpu().clone()
                   for name, tensor in adapters.items()}
     save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    adapted = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in adapters if ".lora_A." in name})
+    paths = {name.split(".lora_A.")[0] for name in adapters if ".lora_A." in name}
+    adapted = sorted({path.rsplit(".", 1)[-1] for path in paths})
+    layers = {name.rsplit(".", 1)[0].removesuffix(".base_layer") for name in state_names if ".lora_" not in name}
+    if any(layer.rsplit(".", 1)[-1] in adapted and layer not in paths for layer in layers):
+        adapted = sorted(paths)  # peft matches a full name to that layer alone
     if adapted and set(adapted) != set(config.target_modules):
         # the layers add_lora adapted, no more: a target that adapted nothing in training (a MoE's gate_proj/up_proj/
         # down_proj, which peft >= 0.18 on transformers 5 maps onto the fused experts) would get a new, untrained

@@ -114,7 +114,8 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
         state = full_model_state(model)
     if rank() == 0:
         if lora is not None:
-            write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path)
+            write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path,
+                                 state)
             merge_lora_weights(state, lora_scaling(lora), transposed_layers(model))
         # built eagerly: a model that picks its attention classes by name at construction (GIT) knows no
         # reinforge_varlen, and the folder is for inference anyway; built once, it also says what stays float32

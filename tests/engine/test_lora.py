@@ -446,3 +446,39 @@ def test_all_linear_leaves_a_linear_layer_with_its_own_forward_alone(arch, tmp_p
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(build(), str(tmp_path / "adapter"))(ids).logits
     torch.testing.assert_close(loaded, adapted_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_folder_of_targets_that_name_some_layers_of_a_name_adapts_those_alone(tmp_path):
+    """target_modules=[layers.0.self_attn.q_proj] adapts layer 0's q_proj; the folder said q_proj, so peft loading it
+    gave every layer's q_proj an adapter ('Found missing adapter keys')."""
+    import warnings
+
+    from peft import PeftModel
+
+    from reinforge.engine.lora import adapter_state, write_adapter_folder
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    config = LoraConfig(rank=4, alpha=8.0, target_modules=["layers.0.self_attn.q_proj"])
+    model = build_tiny_causal_lm("llama", vocab_size=64, seed=3)
+    peft_model = add_lora(model, config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
+    state = model.state_dict()
+    write_adapter_folder(tmp_path / "adapter", adapter_state(state), config, "", state)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["target_modules"] == ["model.layers.0.self_attn.q_proj"]
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # peft's missing adapter keys
+        loaded = PeftModel.from_pretrained(build_tiny_causal_lm("llama", vocab_size=64, seed=3), tmp_path / "adapter")
+    assert [name for name, _ in loaded.named_parameters() if ".lora_A." in name] == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, peft_model(ids).logits, atol=1e-5, rtol=1e-5)
+    whole = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"])  # every layer's: the short name stays
+    model = build_tiny_causal_lm("llama", vocab_size=64, seed=3)
+    add_lora(model, whole)
+    write_adapter_folder(tmp_path / "whole", adapter_state(model.state_dict()), whole, "", model.state_dict())
+    assert json.loads((tmp_path / "whole" / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]
