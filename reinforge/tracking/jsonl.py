@@ -165,13 +165,15 @@ class JsonlBackend(TrackingBackend):
         self._samples: IO[str] | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        append_json_line(self._metrics, {"step": step, **metrics})
+        # a metric named "step" (a reward function's log_metric) leaves the row's own step as it is, as TRL's
+        # log_history keeps it: resume, plots and bench read the step of each row
+        append_json_line(self._metrics, {**metrics, "step": step} if "step" in metrics else {"step": step, **metrics})
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         if self._samples is None:
             self._samples = open_for_appending(self.samples_path)
         for row in rows:
-            append_json_line(self._samples, {"step": step, **row})
+            append_json_line(self._samples, {**row, "step": step} if "step" in row else {"step": step, **row})
 
     def truncate_after(self, step: int) -> None:
         self.close()

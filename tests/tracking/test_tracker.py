@@ -76,6 +76,14 @@ def test_nan_and_infinite_values_are_written_as_strict_json_null(tmp_path):
         {"step": 1, "actor/grad_norm": None, "loss": None, "kl": None, "score": 0.5}]
 
 
+def test_a_metric_or_sample_column_named_step_leaves_the_rows_step_as_it_is(tmp_path):
+    with Tracker(tmp_path, ["jsonl"]) as tracker:
+        tracker.log({"loss": 1.0, "step": 0.5}, step=3)  # a reward function's log_metric("step", ...)
+        tracker.log_samples(3, [{"response": "r", "step": 7}])
+    assert read_lines(tmp_path / "metrics.jsonl") == [{"loss": 1.0, "step": 3}]
+    assert read_lines(tmp_path / "samples.jsonl") == [{"response": "r", "step": 3}]
+
+
 def test_truncate_after_step_reports_removed_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": step}) + "\n" for step in range(4)))
