@@ -49,7 +49,7 @@ def test_dynamic_sampling_and_overlong_shaping_train_and_resume_exactly(tiny_mod
         assert 0 < row["train/kept_group_fraction"] <= 1
         assert row["train/num_kept_groups"] >= 4
         assert "reward/overlong/count" in row and "reward/overlong_penalty/mean" in row
-        assert row["critic/score/mean"] == row["critic/score/mean"]
+        assert row["critic/score/mean"] is not None  # not NaN (metrics.jsonl writes it as null)
     assert any(row["train/kept_group_fraction"] < 1 for row in rows)  # some groups were dropped
 
     resumed = tmp_path / "resumed"
