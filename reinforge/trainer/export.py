@@ -29,7 +29,7 @@ from transformers import (
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config, transposed_layers
 from reinforge.models import load_causal_lm, save_hf_folder
-from reinforge.models.loading import DTYPES, NO_HUB_KERNELS
+from reinforge.models.loading import DTYPES, NO_HUB_KERNELS, is_local_path
 from reinforge.models.reward_model import classifier_auto_class
 from reinforge.models.vision import is_vision_language, load_processor
 from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
@@ -164,6 +164,10 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
     scaling, base_path = read_adapter_config(adapter_folder)
     if not base_path:
         raise FileNotFoundError(f"{adapter_folder}/adapter_config.json names no base model; cannot merge the adapters")
+    if is_local_path(base_path) and not Path(base_path).expanduser().is_dir():  # moved or deleted since the run
+        raise FileNotFoundError(f"{adapter_folder}/adapter_config.json names the base model {base_path}, which does "
+                                "not exist (any more); the adapters are merged into it: put the base model back "
+                                "there")
     base = (load_causal_lm(base_path, dtype=dtype, device="cpu") if classifier_config is None
             else classifier_auto_class(classifier_config).from_pretrained(base_path, config=classifier_config,
                                                                           dtype=dtype, **NO_HUB_KERNELS))

@@ -168,3 +168,21 @@ def test_lora_without_a_peft_that_makes_the_adapters_is_refused_in_one_line_befo
         "peft 0.17.1 is installed here, older than 0.18, the first that makes them on transformers 5"
     assert line.endswith(f"model.lora.rank=32 trains LoRA adapters with peft, and {found}; pip install -U "
                          "'peft>=0.18' (or reinforge[lora]), or set model.lora.rank=0 to train every weight")
+
+
+def test_exporting_adapters_whose_base_model_moved_names_the_adapter_config(tmp_path):
+    """The base's path comes from the checkpoint's adapter_config.json: the line said to check model.path."""
+    import json
+
+    from reinforge.trainer.export import _export_lora
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16,
+                                                             "base_model_name_or_path": str(tmp_path / "moved")}))
+    with pytest.raises(FileNotFoundError) as refusal:
+        _export_lora(adapter, {}, None, tmp_path / "out", torch.float32)
+    assert str(refusal.value) == (f"{adapter}/adapter_config.json names the base model {tmp_path / 'moved'}, which "
+                                  "does not exist (any more); the adapters are merged into it: put the base model back "
+                                  "there")
+    assert not (tmp_path / "out").exists()
