@@ -358,7 +358,8 @@ class CriticConfig(UpdateConfig):
     enable: Optional[bool] = None
     """None enables the critic exactly when algorithm.adv_estimator is gae."""
     model_path: Optional[str] = None
-    """Defaults to model.path (a value head is added)."""
+    """Defaults to model.path (a value head is added). The critic reads the policy's token ids, so its model must
+    share the policy's tokenizer (a run refuses another before any model loads)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = 0.5
     """PPO's value clipping: the loss takes the larger error of the new value and of the new value clipped to
