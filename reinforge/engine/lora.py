@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,7 +161,9 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
         with (torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []),
               _named_layers_only(model) if experts else contextlib.nullcontext()):
             torch.manual_seed(seed)
-            peft_model = get_peft_model(model, _peft_config(config, base_model_path, model, head))
+            with warnings.catch_warnings():  # peft reads transformers' old checkpointing flag, which warns from 5.25 on
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                peft_model = get_peft_model(model, _peft_config(config, base_model_path, model, head))
             _share_adapters_of_shared_weights(model)
             _say_unmatched_targets(model, config)
             if tower_trains:

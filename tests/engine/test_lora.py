@@ -482,3 +482,12 @@ def test_an_adapter_folder_of_targets_that_name_some_layers_of_a_name_adapts_tho
     add_lora(model, whole)
     write_adapter_folder(tmp_path / "whole", adapter_state(model.state_dict()), whole, "", model.state_dict())
     assert json.loads((tmp_path / "whole" / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]
+
+
+def test_adding_adapters_says_nothing_of_transformers_old_checkpointing_flag():
+    """peft reads model.is_gradient_checkpointing, whose FutureWarning every LoRA run printed."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        add_lora(varlen_lm(seed=1), CONFIG)
