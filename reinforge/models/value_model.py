@@ -97,10 +97,11 @@ def check_critic_folder(path: str, key: str = "critic.model_path", trust_remote_
 
 
 def check_critic_reads_policy_ids(path: str, policy_tokenizer, key: str = "critic.model_path",
-                                  trust_remote_code: bool = False) -> None:
+                                  trust_remote_code: bool = False, policy_rows: int | None = None) -> None:
     """The critic reads the policy's token ids as they are: refuse (one line naming ``key``) a local critic folder
     whose tokenizer gives any of the policy's tokens another id or none, or whose embedding has fewer rows than the
-    policy's tokenizer has ids (the critic's lookup fails on the first id past them, after a rollout)."""
+    ids the policy reads and writes (its tokenizer's, within the policy's own ``policy_rows``): the critic's lookup
+    failed on the first id past them, after a rollout."""
     from reinforge.models.loading import TOKENIZER_FILES, load_tokenizer, tokens_read_otherwise
 
     folder = Path(path).expanduser()
@@ -112,13 +113,20 @@ def check_critic_reads_policy_ids(path: str, policy_tokenizer, key: str = "criti
                              f"policy's {len(policy_tokenizer.get_vocab())} tokens (first {moved[0]!r}) have another "
                              "id or none in its tokenizer; point it at a model of the policy's tokenizer, or unset it "
                              "to start the critic from model.path")
-    text_config = read_model_config(str(folder), trust_remote_code, key)
-    text_config = text_config.get_text_config() if hasattr(text_config, "get_text_config") else text_config
-    rows = getattr(text_config, "vocab_size", None)
-    if isinstance(rows, int) and rows < len(policy_tokenizer):
-        raise ValueError(f"{key}={path}: the critic reads the policy's token ids, {len(policy_tokenizer)} of them, "
-                         f"but its embedding has {rows} rows (vocab_size in its config.json); point it at a model of "
-                         "the policy's vocabulary, or unset it to start the critic from model.path")
+    ids = len(policy_tokenizer) if policy_rows is None else min(len(policy_tokenizer), policy_rows)
+    rows = vocab_rows(str(folder), trust_remote_code, key)
+    if rows is not None and rows < ids:
+        raise ValueError(f"{key}={path}: the critic reads the policy's token ids, {ids} of them, but its embedding "
+                         f"has {rows} rows (vocab_size in its config.json); point it at a model of the policy's "
+                         "vocabulary, or unset it to start the critic from model.path")
+
+
+def vocab_rows(path: str, trust_remote_code: bool = False, key: str = "model.path") -> int | None:
+    """The rows of the token embedding of the model at ``path`` (its text config's vocab_size); None where unsaid."""
+    config = read_model_config(path, trust_remote_code, key)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(config, "vocab_size", None)
+    return rows if isinstance(rows, int) else None
 
 
 class ValueModel(nn.Module):

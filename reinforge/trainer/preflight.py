@@ -47,7 +47,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context, warn_if_rollout_parts_from_training
 from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
 from reinforge.models.reward_model import HEADS, check_reward_model
-from reinforge.models.value_model import check_critic_folder, check_critic_reads_policy_ids
+from reinforge.models.value_model import check_critic_folder, check_critic_reads_policy_ids, vocab_rows
 from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
@@ -354,7 +354,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                                trust_remote_code=config.model.trust_remote_code)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
         check_critic_reads_policy_ids(config.critic.model_path, tokenizer, "critic.model_path",
-                                      config.model.trust_remote_code)
+                                      config.model.trust_remote_code,
+                                      vocab_rows(config.model.path, config.model.trust_remote_code))
     schemas = [tool.schema for tool in tools.values()]
     processor = run_processor(config.model, config.data)  # a vision-language model's: rows may hold images
     if processor is not None and critic_enabled(config):

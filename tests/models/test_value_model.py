@@ -150,3 +150,23 @@ def test_a_critic_folder_whose_weights_do_not_fit_its_config_is_refused_before_t
         ValueModel.from_pretrained(folder)
     assert str(refusal.value) == message
     check_critic_folder(str(tiny_model_dir))  # its own config fits
+
+
+def test_a_critic_of_as_many_rows_as_the_policy_reads_ids_in_is_taken(tiny_model_dir, tmp_path):
+    """The ids the critic reads are the policy's tokenizer's within the policy's own rows: a critic of the policy's
+    rows is not refused where the tokenizer names more ids than the policy has (a padded or cut vocabulary)."""
+    import json
+    import shutil
+
+    from reinforge.models import load_tokenizer
+    from reinforge.models.value_model import check_critic_reads_policy_ids
+
+    folder = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    check_critic_reads_policy_ids(str(folder), tokenizer, policy_rows=200)
+    with pytest.raises(ValueError, match=r"the critic reads the policy's token ids, 201 of them, but its embedding "
+                                         r"has 200 rows \(vocab_size in its config\.json\)"):
+        check_critic_reads_policy_ids(str(folder), tokenizer, policy_rows=201)
