@@ -221,6 +221,11 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
 
     if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
         check_target_modules(config.model.lora, config.model.path)
+    from reinforge.models.loading import is_local_path
+    from reinforge.models.value_model import check_critic_folder
+
+    if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
+        check_critic_folder(config.critic.model_path, "critic.model_path", config.model.trust_remote_code)  # as train
     _check_reward_model_folder(config)
     from reinforge.models import warn_if_beyond_context
 

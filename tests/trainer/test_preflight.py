@@ -91,6 +91,8 @@ def test_a_critic_whose_weights_do_not_fit_its_config_is_refused_before_the_acto
     assert line.startswith(f"error: critic.model_path={folder}: its weights do not fit its config.json (") \
         and "\n" not in line
     assert not (tmp_path / "run").exists()
+    assert main(["plan", *args, "trainer.device=cpu"]) == 2  # which read the critic's sizes from that config.json
+    assert capsys.readouterr().err.strip() == line
 
 
 def test_a_critic_that_reads_the_policys_ids_otherwise_is_refused_before_a_model_loads(rl_args, tiny_model_dir,
