@@ -327,6 +327,11 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         # else it fails once the actor has loaded
         check_critic_folder(config.critic.model_path, "critic.model_path", config.model.trust_remote_code)
         warn_if_beyond_context(config.critic.model_path, longest, source)  # it scores every whole sequence
+    total_steps = config.trainer.total_steps
+    if critic_enabled(config) and total_steps is not None and config.critic.warmup_steps >= total_steps:
+        logger.warning("critic.warmup_steps=%d trains the critic alone for that many steps, and the run has %d "
+                       "(trainer.total_steps): its actor never updates; lower critic.warmup_steps, unless the run "
+                       "is to warm up the critic alone", config.critic.warmup_steps, total_steps)
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
     check_batch_splits(config, placement)

@@ -144,6 +144,18 @@ def test_adapters_on_no_layer_are_refused_before_the_memory_plan_is_logged(rl_ar
     assert "names no linear layer" in capsys.readouterr().err and "memory plan" not in caplog.text
 
 
+def test_a_critic_warmup_as_long_as_the_run_is_said_to_leave_the_actor_untrained(rl_args, tmp_path, caplog):
+    from reinforge.trainer.preflight import preflight
+
+    args = rl_args(tmp_path / "run", **{"algorithm.adv_estimator": "gae", "critic.warmup_steps": 2})
+    preflight(load_config(None, args))
+    assert "critic.warmup_steps=2 trains the critic alone for that many steps, and the run has 2 " \
+           "(trainer.total_steps): its actor never updates" in caplog.text
+    caplog.clear()
+    preflight(load_config(None, [*args, "critic.warmup_steps=1"]))
+    assert "critic.warmup_steps" not in caplog.text
+
+
 def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
     """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
     monkeypatch.setenv("WORLD_SIZE", "2")
