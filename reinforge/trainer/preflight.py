@@ -195,14 +195,13 @@ def check_writes_text(path: str, key: str) -> None:
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def check_checkpoint_room(model_path: str, output_dir: str, adapters_only: bool, key: str = "trainer.output_dir"
-                          ) -> None:
+def check_checkpoint_room(model_path: str, output_dir: str, key: str = "trainer.output_dir") -> None:
     """One ConfigError when the disk of ``output_dir`` cannot hold even one checkpoint, which every run writes (at
     least at its end): its hf/ model alone takes about half the bytes of ``model_path``'s weight files or more (they
-    may be float32 where the checkpoint is bfloat16). A run whose checkpoints hold adapters (LoRA) is not checked,
-    nor a model that is no local folder."""
+    may be float32 where the checkpoint is bfloat16); a LoRA run's hf/ holds the merged model as well. A model that
+    is no local folder is not checked."""
     folder = Path(model_path).expanduser()
-    if adapters_only or not folder.is_dir():
+    if not folder.is_dir():
         return
     weights = sum(path.stat().st_size for path in folder.iterdir()
                   if path.is_file() and path.name.endswith(WEIGHT_FILE_SUFFIXES))
@@ -315,7 +314,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
     check_model_config(config.model.path)  # its experts and window, also where no memory setting is auto
-    check_checkpoint_room(config.model.path, config.trainer.output_dir, bool(config.model.lora.rank))
+    check_checkpoint_room(config.model.path, config.trainer.output_dir)
     longest, source = config.data.max_prompt_length + config.data.max_response_length, \
         "data.max_prompt_length + data.max_response_length"
     warn_if_beyond_context(config.model.path, longest, source)  # refused here where positions are a learned table
@@ -499,7 +498,7 @@ def preflight_sft(config: SFTConfig) -> Any:
                               "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     check_model_config(config.model.path)
-    check_checkpoint_room(config.model.path, config.trainer.output_dir, bool(config.model.lora.rank))
+    check_checkpoint_room(config.model.path, config.trainer.output_dir)
     check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
     processor = run_processor(config.model, config.data)  # its pixel bounds refused before the run folder opens
     require_logger_packages(config.trainer.loggers)

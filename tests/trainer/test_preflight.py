@@ -374,6 +374,8 @@ def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_model_load
                                           r"folder on a disk with room$"):
         RLTrainer(config)
     assert not (tmp_path / "run").exists()
-    preflight_module.check_checkpoint_room(config.model.path, str(tmp_path / "run"), adapters_only=True)  # LoRA
+    lora = load_config(None, rl_args(tmp_path / "run", **{"model.lora.rank": 8}))  # its hf/ holds the merged model
+    with pytest.raises(ConfigError, match=r"^trainer.output_dir=.*run: its disk has 24.0 KB free"):
+        RLTrainer(lora)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
-    preflight_module.check_checkpoint_room(config.model.path, str(tmp_path / "run" / "a" / "b"), adapters_only=False)
+    preflight_module.check_checkpoint_room(config.model.path, str(tmp_path / "run" / "a" / "b"))

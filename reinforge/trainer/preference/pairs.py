@@ -101,7 +101,7 @@ def preflight_preference(config: RMConfig | DPOConfig) -> None:
     check_loggers(config.trainer.loggers)
     require_model_and_data(config.model.path, config.data.train_files,
                            "path/to/pairs.jsonl (rows with chosen and rejected)")
-    check_checkpoint_room(config.model.path, config.trainer.output_dir, bool(config.model.lora.rank))
+    check_checkpoint_room(config.model.path, config.trainer.output_dir)
     check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
     require_logger_packages(config.trainer.loggers)
     check_devices(config)  # type: ignore[arg-type]  # the same trainer.device and backend fields
