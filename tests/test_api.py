@@ -757,6 +757,9 @@ def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
         peft_settings(lora)
     from peft import LoraConfig
 
+    for rank in (0, -4):  # model.lora.rank=0 would have trained every weight
+        with pytest.raises(ValueError, match=rf"^peft_config.r={rank}: a LoRA adapter's rank is a positive number"):
+            peft_settings(LoraConfig(r=rank, target_modules=["q_proj"]))
     # a MoE's experts (target_parameters) or another initialisation would be dropped without a word
     for setting, shown in ((dict(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters="),
                            (dict(init_lora_weights=False), "init_lora_weights=False")):

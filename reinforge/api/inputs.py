@@ -223,6 +223,9 @@ def peft_settings(peft_config: Any, model: Any = None) -> dict[str, Any]:
     modules means peft's default for the architecture of ``model`` (a path, hub id or loaded model), as in peft."""
     if peft_config is None:
         return {}
+    if not int(peft_config.r) > 0:  # model.lora.rank=0 trains every weight; peft refuses such a rank itself
+        raise ValueError(f"peft_config.r={peft_config.r}: a LoRA adapter's rank is a positive number such as 16; "
+                         "pass peft_config=None to train every weight")
     settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
                 "model.lora.dropout": float(getattr(peft_config, "lora_dropout", 0.0) or 0.0)}
     unsupported = {"modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
