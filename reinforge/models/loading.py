@@ -75,7 +75,9 @@ def check_model_folder(path: str | Path, key: str = "model.path") -> None:
         raise FileNotFoundError(f"model folder {folder} looks half-written (found {', '.join(leftovers)}); "
                                 "wait for the save to finish or save it again")
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {folder} has no config.json; is it a Hugging Face model folder?")
+        fix = (f"a checkpoint's model is its hf/ folder: set {key}={folder / 'hf'}"
+               if (folder / "hf" / "config.json").is_file() else f"point {key} at a Hugging Face model folder")
+        raise FileNotFoundError(f"model folder {folder} has no config.json; {fix}")
     weights = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not weights:
         raise FileNotFoundError(f"model folder {folder} has config.json but no weights (expected one of "

@@ -71,8 +71,15 @@ def test_missing_folder_is_one_clear_line(tmp_path):
 
 
 def test_folder_without_config_or_weights(tmp_path):
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match="has no config.json; point model.path at a Hugging Face model folder"):
         check_model_folder(tmp_path)
+    checkpoint = tmp_path / "step_000002"  # a run's checkpoint, whose model is its hf/ folder
+    (checkpoint / "hf").mkdir(parents=True)
+    (checkpoint / "hf" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as refusal:
+        check_model_folder(checkpoint, "critic.model_path")
+    assert str(refusal.value) == (f"model folder {checkpoint} has no config.json; a checkpoint's model is its hf/ "
+                                  f"folder: set critic.model_path={checkpoint / 'hf'}")
     build_tiny_causal_lm("qwen2", vocab_size=20).config.save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="has config.json but no weights"):
         check_model_folder(tmp_path)
