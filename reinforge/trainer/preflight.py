@@ -356,7 +356,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
-    if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
+    if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path) \
+            and not _same_folder(config.critic.model_path, config.model.path):  # the policy's own model reads its ids
         check_critic_reads_policy_ids(config.critic.model_path, tokenizer, "critic.model_path",
                                       config.model.trust_remote_code,
                                       vocab_rows(config.model.path, config.model.trust_remote_code))
@@ -400,6 +401,10 @@ def preflight(config: Config, placement: RolePlacement | None = None,
             config.data.max_image_tokens = most_image_tokens([train_set, val_set], processor.image_token_id)
         apply_memory_plan(config)
     return Checked(tokenizer, tools, custom_scorer, train_set, val_set)
+
+
+def _same_folder(path: str, other: str) -> bool:
+    return Path(path).expanduser().resolve() == Path(other).expanduser().resolve()
 
 
 def most_image_tokens(datasets: Sequence[RLDataset | None], image_token_id: int) -> int | None:

@@ -132,6 +132,12 @@ def test_a_critic_that_reads_the_policys_ids_otherwise_is_refused_before_a_model
         assert main(["train", *args]) == 2
         assert capsys.readouterr().err.strip() == line
         assert not (tmp_path / "run").exists()
+    from reinforge.trainer.preflight import preflight
+
+    # the policy's own model as the critic reads the ids the policy does, whatever model.tokenizer_path gives them
+    preflight(load_config(None, rl_args(tmp_path / "run", **{
+        "critic.enable": True, "critic.model_path": tiny_model_dir, "model.tokenizer_path": swapped,
+        "algorithm.adv_estimator": "gae"})))
 
 
 def test_adapters_on_no_layer_are_refused_before_the_memory_plan_is_logged(rl_args, tmp_path, capsys, caplog):
