@@ -49,6 +49,7 @@ def atomic_folder(out_dir: str | Path) -> Iterator[Path]:
     staging.mkdir(parents=True)
     try:
         yield staging
+        readable_as_created(staging)
         fsync_folder(staging)
         if out_dir.exists():
             previous = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
@@ -68,6 +69,30 @@ def atomic_folder(out_dir: str | Path) -> Iterator[Path]:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def file_mode_of_umask() -> int:
+    """The mode a new file gets from the process's umask (0o644 under the usual 022): read from /proc where Linux
+    shows it, else by setting and restoring the umask."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def readable_as_created(folder: Path) -> None:
+    """Give each file under ``folder`` the mode the umask gives a new file: transformers writes a model's
+    safetensors through a private temporary file (mode 0600), which would leave a checkpoint's or an export's weights
+    unreadable to the other users and containers its config and tokenizer files are readable to."""
+    mode = file_mode_of_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def float32_pattern(module_names: object) -> re.Pattern | None:

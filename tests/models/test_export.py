@@ -99,6 +99,19 @@ def test_export_replaces_an_existing_folder(tmp_path):
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
 
 
+def test_a_saved_folders_files_are_readable_as_the_umask_makes_new_files(tmp_path):
+    """transformers writes model.safetensors through a private temporary file (0600); the folder's files all get the
+    mode the umask gives a new file, so the weights are as readable as the config beside them."""
+    model, tokenizer = build_tiny_causal_lm(), build_char_tokenizer()
+    previous = os.umask(0o022)
+    try:
+        save_hf_folder(model, tokenizer, tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir() if path.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+
+
 def test_failed_save_keeps_the_old_folder_and_cleans_up(tmp_path):
     out_dir = tmp_path / "hf"
     out_dir.mkdir()
