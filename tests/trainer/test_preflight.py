@@ -100,24 +100,12 @@ def test_a_critic_that_reads_the_policys_ids_otherwise_is_refused_before_a_model
     """The critic reads the policy's token ids: another tokenizer's ids gave silently wrong values, an embedding of
     fewer rows an IndexError in compute_values after the first rollout."""
     import json
-    import shutil
 
-    swapped = tmp_path / "swapped"
-    shutil.copytree(tiny_model_dir, swapped)
-    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
-    fewer = tmp_path / "fewer"
-    shutil.copytree(tiny_model_dir, fewer)
-    (fewer / "tokenizer.json").unlink()  # a body without a tokenizer of its own is read by its embedding alone
-    (fewer / "tokenizer_config.json").unlink()
-    config = json.loads((fewer / "config.json").read_text())
-    (fewer / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
-    from safetensors.torch import load_file, save_file
-    weights = load_file(fewer / "model.safetensors")
-    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:100].clone()
-    save_file(weights, fewer / "model.safetensors", metadata={"format": "pt"})
+    from tests.model_folder_variants import with_fewer_rows, with_swapped_tokens
+
+    swapped = with_swapped_tokens(tiny_model_dir, tmp_path / "swapped")
+    fewer = with_fewer_rows(tiny_model_dir, tmp_path / "fewer")
+    config = json.loads((tiny_model_dir / "config.json").read_text())
     expected = {swapped: f"error: critic.model_path={swapped}: the critic reads the policy's token ids, but 2 of the "
                          f"policy's {config['vocab_size']} tokens (first 'a') have another id or none in its "
                          "tokenizer; point it at a model of the policy's tokenizer, or unset it to start the critic "

@@ -400,18 +400,10 @@ def test_a_checkpoints_dropout_is_switched_off_as_trls_trainers_do(pair_args, tm
 def test_a_reference_that_reads_the_policys_ids_as_other_tokens_is_refused_before_any_model_loads(
         pair_args, tiny_model_dir, tmp_path, capsys):
     """A reference of another tokenizer (another family) scored the policy's ids as other tokens, silently."""
-    other = tmp_path / "other_tokenizer"
-    shutil.copytree(tiny_model_dir, other)
-    tokenizer_json = json.loads((other / "tokenizer.json").read_text())
-    vocab = tokenizer_json["model"]["vocab"]
-    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer_json))
-    small = tmp_path / "small_vocabulary"
-    shutil.copytree(tiny_model_dir, small)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        (small / name).unlink(missing_ok=True)
-    config = json.loads((small / "config.json").read_text())
-    (small / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    from tests.model_folder_variants import with_fewer_rows, with_swapped_tokens
+
+    other = with_swapped_tokens(tiny_model_dir, tmp_path / "other_tokenizer")
+    small = with_fewer_rows(tiny_model_dir, tmp_path / "small_vocabulary")
     for folder, message in ((other, f"error: dpo.reference_path={other} has a tokenizer of its own, in which 2 of the "
                              "policy's 259 tokens (first 'a') have another id or none; DPO compares both models' "
                              "log-probs of the same token ids, so give a reference that shares the policy's tokenizer "
