@@ -283,6 +283,15 @@ def test_blas_libraries_start_one_thread_not_one_per_host_cpu(client):
     assert client.run_code(code).run_result.stdout == "['1', '1']\n"
 
 
+def test_a_thread_pool_starts_under_the_default_memory_limit(client):
+    """glibc reserves a 64 MiB malloc arena per thread, which counts against the address-space limit: under the
+    default 1 GiB a 16-thread pool failed ("can't start new thread") after 14 threads."""
+    code = ("from concurrent.futures import ThreadPoolExecutor\nimport threading\nbarrier = threading.Barrier(32)\n"
+            "with ThreadPoolExecutor(32) as pool:\n    print(sum(pool.map(lambda i: barrier.wait() * 0 + i, range(32))))")
+    response = client.run_code(code)
+    assert response.run_result.stdout == "496\n", response
+
+
 def test_what_a_python_program_printed_before_its_timeout_is_kept_without_a_flush(client):
     """Python buffers stdout written to a pipe, so a program killed at its timeout lost what it had printed (the
     model saw no output at all); PYTHONUNBUFFERED=1 writes each print through."""
