@@ -94,6 +94,10 @@ class RewardOutput:
     """``logged_metric/<name>`` -> per sample, what its batch call logged through ``log_metric`` (NaN: nothing)."""
     failures: list[str | None] = field(default_factory=list)
     """Per sample, why it got the fallback score (``error``, ``timeout`` or ``memory``; None: it did not)."""
+    failure_report: dict[str, str] = field(default_factory=dict)
+    """Where any sample failed: the parts of the ``ScorerFailure`` line (``all_failed_message``) that a caller
+    needs to raise it over several such outputs: ``scorer`` (who failed first), ``raised`` (the first error's last
+    line, where one raised), ``timed_out`` and ``out_of_memory`` (the limits, as the line names them)."""
 
     def to_batch(self) -> Batch:
         """``token_level_scores`` plus one ``reward_<key>`` column per extra, one ``rewards/<name>`` column per
@@ -155,8 +159,10 @@ class RewardManager:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def score(self, batch: Batch) -> RewardOutput:
-        """Score every sample of ``batch``.
+    def score(self, batch: Batch, raise_when_all_failed: bool = True) -> RewardOutput:
+        """Score every sample of ``batch``; where every sample failed, raise ``ScorerFailure`` (or, with
+        ``raise_when_all_failed=False``, give each the fallback score, as a caller that scores a batch in parts
+        decides over the whole batch: ``failures`` and ``failure_report``).
 
         Needs tensors ``responses`` (B, T) right-padded token ids and ``response_mask`` (B, T),
         and non-tensors ``ground_truth``, ``data_source`` (unless a custom function scores
@@ -231,11 +237,9 @@ class RewardManager:
             for index in indices:
                 failures[index] = failures[index] or kind
         num_errors, num_timeouts, num_out_of_memory = (failures.count(kind) for kind in ("error", "timeout", "memory"))
-        if num_samples and num_errors + num_timeouts + num_out_of_memory == num_samples:
-            error = first_failures.get("error")
-            first = next(iter(first_failures.values()))
-            raise ScorerFailure(self._all_failed(num_samples, num_timeouts, num_out_of_memory,
-                                                 error[2] if error else None, first[0], data_sources[first[1][0]]))
+        report = self._failure_report(first_failures, data_sources)
+        if raise_when_all_failed and num_samples and num_errors + num_timeouts + num_out_of_memory == num_samples:
+            raise ScorerFailure(all_failed_message(report, num_samples, num_timeouts, num_out_of_memory))
         for kind, (function, indices, details) in first_failures.items():
             self._log_once(kind, function, indices, data_sources[indices[0]], details)
         if num_samples and not self._warned_unscored and np.isnan(function_scores).all():
@@ -276,7 +280,7 @@ class RewardManager:
         return RewardOutput(
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
             scores=scores, extras=extras, metrics=metrics, function_scores=named,
-            logged_metrics=logged_metric_columns(logs, num_samples), failures=failures)
+            logged_metrics=logged_metric_columns(logs, num_samples), failures=failures, failure_report=report)
 
     def _scorer_to_send(self, function: RewardFunction) -> Any:
         """The function as a job carries it: the object in this process, a spec or its pickle for the workers."""
@@ -340,20 +344,21 @@ class RewardManager:
         name = f"{getattr(scorer, '__module__', '?')}.{getattr(scorer, '__qualname__', scorer)}"
         return f"the scorer of data_source {data_source!r} ({name})"
 
-    def _all_failed(self, num_samples: int, num_timeouts: int, num_out_of_memory: int, first_error: str | None,
-                    function: RewardFunction, data_source: Any) -> str:
-        scorer = (f"the scorer of data_source {data_source!r}" if function.scorer is None
-                  else self._function_name(function, data_source))
-        if first_error is None and num_timeouts == 0:
-            what = f"ran past reward.max_memory_mb={self.config.max_memory_mb}"
-        elif first_error is None:
-            what = f"ran past reward.timeout_s={self.config.timeout_s}"
-        else:
-            what = "raised " + (first_error.strip().splitlines() or ["?"])[-1]
-        return (f"{scorer} failed on all {num_samples} samples of a batch ({num_timeouts} timed out, "
-                f"{num_out_of_memory} ran out of memory); it {what}. "
-                "Nothing can be learned from such a step: fix the scorer (reward.num_workers=0 runs it in this "
-                "process, under a debugger)")
+    def _failure_report(self, first_failures: dict[str, tuple[RewardFunction, range, str | None]],
+                        data_sources: Any) -> dict[str, str]:
+        """``RewardOutput.failure_report`` of a batch's first failures (by kind); empty where none failed."""
+        if not first_failures:
+            return {}
+        function, indices, _ = next(iter(first_failures.values()))
+        data_source = data_sources[indices[0]]
+        report = {"scorer": (f"the scorer of data_source {data_source!r}" if function.scorer is None
+                             else self._function_name(function, data_source)),
+                  "timed_out": f"ran past reward.timeout_s={self.config.timeout_s}",
+                  "out_of_memory": f"ran past reward.max_memory_mb={self.config.max_memory_mb}"}
+        error = first_failures.get("error")
+        if error is not None and error[2] is not None:
+            report["raised"] = "raised " + (error[2].strip().splitlines() or ["?"])[-1]
+        return report
 
     def _log_once(self, kind: str, function: RewardFunction, indices: range, data_source: Any,
                   details: str | None) -> None:
@@ -399,6 +404,21 @@ class RewardManager:
                            "no extras: a score that never varies teaches nothing; check the scorer and the ground "
                            "truths. Warned once.", self._constant_batches, value,
                            data_sources[0])
+
+
+def all_failed_message(report: dict[str, str], num_samples: int, num_timeouts: int, num_out_of_memory: int) -> str:
+    """The ``ScorerFailure`` line of a batch of ``num_samples`` where every sample failed, from the
+    ``failure_report`` of its scoring (the first that has each part, where it was scored in parts)."""
+    if "raised" in report:
+        what = report["raised"]
+    elif num_timeouts:
+        what = report["timed_out"]
+    else:
+        what = report["out_of_memory"]
+    return (f"{report['scorer']} failed on all {num_samples} samples of a batch ({num_timeouts} timed out, "
+            f"{num_out_of_memory} ran out of memory); it {what}. "
+            "Nothing can be learned from such a step: fix the scorer (reward.num_workers=0 runs it in this "
+            "process, under a debugger)")
 
 
 def retool_scores(scores: Tensor, extras: list[dict[str, Any]], num_turns: Any) -> Tensor:

@@ -51,7 +51,7 @@ from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
 from reinforge.workers.judge import JudgeWorker
 from reinforge.workers.reference import ReferenceWorker
-from reinforge.workers.reward import RewardWorker
+from reinforge.workers.reward import RewardWorker, raise_if_every_row_failed
 from reinforge.workers.reward_model import RewardModelWorker
 
 logger = logging.getLogger(__name__)
@@ -278,13 +278,13 @@ class RLTrainer(TrainingRun):
         (reward.combine.mode=replace, the rule-based scorer not run) or its combination with the rule's, which is
         computed meanwhile. The reward model's time goes to ``timing["reward_model"]``."""
         if self.reward_model is None and self.model_scorer is None:
-            return self.reward.score(batch)
+            return raise_if_every_row_failed(self.reward.score(batch))
         combine = self.config.reward.combine
         rule_call = self.reward.score.async_call(batch) if combine.mode != "replace" else None
         if self.model_scorer is not None:
             with _timed(timing if timing is not None else {}, self.model_scorer.name):
                 model_scores, model_metrics = self.model_scorer(batch, self.step)
-            rule = rule_call.result() if rule_call is not None else None
+            rule = raise_if_every_row_failed(rule_call.result()) if rule_call is not None else None
             scores = combine_scores(model_scores, None if rule is None else rule["token_level_scores"].sum(-1),
                                     combine, f"reward.{self.model_scorer.name}")
             result = rule if rule is not None else Batch()
@@ -294,7 +294,7 @@ class RLTrainer(TrainingRun):
             return result
         with _timed(timing if timing is not None else {}, "reward_model"):
             scored = self.reward_model.compute_rm_score(batch)
-        rule = rule_call.result() if rule_call is not None else None
+        rule = raise_if_every_row_failed(rule_call.result()) if rule_call is not None else None
         rm_scores = scored["rm_scores"].sum(-1)
         cut = int(scored["rm_truncated"].sum())
         if cut and not self.rm_truncation_warned:

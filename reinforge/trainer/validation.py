@@ -15,6 +15,7 @@ from typing import Any
 
 from reinforge.protocol import MULTI_MODAL_KEY, Batch, samples_of
 from reinforge.rollout.base import SamplingParams
+from reinforge.workers.reward import raise_if_every_row_failed
 
 UNNAMED_DATA_SOURCE = "default"
 """The data source in the metric names of rows that have none: ``val-core/default/reward/mean@1``."""
@@ -78,7 +79,7 @@ def run_validation(prompt_batches: Iterable[Batch], num_samples: int, sampling: 
     for prompts in prompt_batches:
         batch = samples_of(prompts, num_samples)
         batch = without_prompt_tensors(batch) | generate(batch, sampling, seed)
-        batch = batch | score(batch)
+        batch = batch | raise_if_every_row_failed(score(batch))
         scores = batch["token_level_scores"].sum(-1)
         extras = reward_extras(batch)
         for row in range(len(batch)):

@@ -5,15 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.controller.dispatch import PADDING_ROWS, SUMMED_METRICS
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
-from reinforge.reward.manager import RewardManager, RewardOutput
+from reinforge.reward.manager import RewardManager, RewardOutput, ScorerFailure, all_failed_message
 
 REWARD_TOTALS = ("reward/errors", "reward/timeouts", "reward/memory_exceeded", "reward/overlong/count")
 """The reward metrics that count samples: several members' counts add up."""
+
+SCORER_FAILURES = "scorer_failures"
+"""On several members: the column of each row's failure (``error``, ``timeout``, ``memory`` or None) and the meta
+key of the member's ``RewardOutput.failure_report``, which ``raise_if_every_row_failed`` reads over the gathered
+batch."""
 
 
 class RewardWorker(Worker):
@@ -30,13 +37,35 @@ class RewardWorker(Worker):
         """token_level_scores (B, R) and one ``reward_<key>`` column per scorer extra (acc, pred, ...).
 
         The counts (``REWARD_TOTALS``) add up over the members, and leave out the chunk's padding rows (``PADDING_ROWS``,
-        copies of other members' rows, which the controller drops): a chunk of padding alone counts nothing."""
-        output = self.manager.score(batch)
+        copies of other members' rows, which the controller drops): a chunk of padding alone counts nothing.
+
+        Alone, a member raises ``ScorerFailure`` where every row failed. One of several members decides nothing on its
+        share of the rows: it reports each row's failure (``SCORER_FAILURES``), and the caller raises where every row
+        of the gathered batch failed (``raise_if_every_row_failed``)."""
+        alone = self.world_size == 1
+        output = self.manager.score(batch, raise_when_all_failed=alone)
         scored = output.to_batch()
+        if not alone:
+            scored[SCORER_FAILURES] = np.array(output.failures, dtype=object)
+            scored.meta[SCORER_FAILURES] = dict(output.failure_report)
         padding = int(batch.meta.get(PADDING_ROWS, 0))
         scored.meta["reward_metrics"] = counted_rows(output, len(batch) - padding) if padding else dict(output.metrics)
         scored.meta[SUMMED_METRICS] = tuple(name for name in scored.meta["reward_metrics"] if name in REWARD_TOTALS)
         return scored
+
+
+def raise_if_every_row_failed(scored: Batch) -> Batch:
+    """``scored`` (a reward group's result) without the members' failure reports; raises ``ScorerFailure``, the line
+    one member alone raises, where every row of it failed. A result without the reports (one member's, which raised
+    itself where every row failed) passes as it is."""
+    if SCORER_FAILURES not in scored.non_tensors:
+        return scored
+    failures = list(scored.non_tensors.pop(SCORER_FAILURES))
+    report = scored.meta.pop(SCORER_FAILURES, {})
+    if failures and all(failure is not None for failure in failures):
+        raise ScorerFailure(all_failed_message(report, len(failures), failures.count("timeout"),
+                                               failures.count("memory")))
+    return scored
 
 
 def counted_rows(output: RewardOutput, rows: int) -> dict[str, float]:

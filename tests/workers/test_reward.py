@@ -7,6 +7,8 @@ import pytest
 
 from reinforge.config.schema import Config, RewardConfig
 from reinforge.controller import WorkerGroup
+from reinforge.protocol import Batch
+from reinforge.reward.manager import ScorerFailure
 from reinforge.workers import reward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reward"))
@@ -42,3 +44,55 @@ def test_reward_counts_add_up_over_members_and_leave_out_the_padding_rows(tmp_pa
         counted[members] = scored.meta["reward_metrics"]
     assert counted[2] == counted[1]
     assert counted[1]["reward/errors"] == texts.count("raise")
+
+
+def _group_scores(tmp_path, monkeypatch, texts, members):
+    """``RLTrainer.score`` and validation's scoring of ``texts`` on a reward group of ``members``: the rows, scored,
+    or the exception that stopped them."""
+    from reinforge.trainer.rl_trainer import RLTrainer
+    from reinforge.trainer.validation import run_validation
+
+    (tmp_path / "scorers.py").write_text(SCORER)
+    tokenizer = build_byte_tokenizer()
+    monkeypatch.setattr(reward, "load_tokenizer", lambda *args, **kwargs: tokenizer)
+    config = Config()
+    config.reward = RewardConfig(num_workers=0, custom_function=f"{tmp_path / 'scorers.py'}:exact")
+    batch = make_batch(tokenizer, texts, ["7"] * len(texts), ["x"] * len(texts))
+    batch["uid"] = [f"u{index}" for index in range(len(texts))]
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.reward_model = trainer.model_scorer = None
+    trainer.reward = WorkerGroup(reward.RewardWorker, config, num_members=members, timeout_s=30)
+    outcomes = []
+    try:
+        for call in (lambda: trainer.score(batch),
+                     lambda: run_validation([batch], 1, None, 0, lambda rows, *_: Batch(), trainer.reward.score)):
+            try:
+                outcomes.append(call())
+            except Exception as error:  # noqa: BLE001 - the outcome compared
+                outcomes.append(error)
+    finally:
+        trainer.reward.shutdown()
+    return outcomes
+
+
+def test_a_member_whose_rows_all_failed_does_not_stop_a_batch_where_others_scored(tmp_path, monkeypatch):
+    """["raise", "raise", "7", "7"] on two members: the first member's rows all fail, the batch's do not; it goes on
+    with reward/errors=2, as on one member, and the members' failure reports do not reach the batch."""
+    for members in (1, 2):
+        scored, validation = _group_scores(tmp_path, monkeypatch, ["raise", "raise", "7", "7"], members)
+        assert scored.meta["reward_metrics"]["reward/errors"] == 2
+        assert scored["token_level_scores"].sum(-1).tolist() == [0.0, 0.0, 1.0, 1.0]
+        assert reward.SCORER_FAILURES not in scored and reward.SCORER_FAILURES not in scored.meta
+        assert validation["val-core/x/reward/mean@1"] == 0.5
+
+
+@pytest.mark.parametrize("texts", [["raise"] * 4, ["raise"] * 3])
+def test_a_batch_where_every_row_failed_stops_with_the_one_member_line(tmp_path, monkeypatch, texts):
+    """Every row failed (three rows: the second member's padding row too): on two members the trainer raises the
+    ScorerFailure one member raises itself, word for word."""
+    alone = _group_scores(tmp_path, monkeypatch, texts, 1)
+    split = _group_scores(tmp_path, monkeypatch, texts, 2)
+    for one, two in zip(alone, split, strict=True):
+        assert isinstance(one.__cause__, ScorerFailure) and isinstance(two, ScorerFailure)
+        assert str(two) == str(one.__cause__)
+        assert f"failed on all {len(texts)} samples" in str(two) and "raised RuntimeError: scorer exploded" in str(two)
