@@ -83,6 +83,24 @@ def default_python() -> str:
     return found
 
 
+def check_interpreter_visible(interpreter: str, settings: SandboxSettings) -> None:
+    """IsolationError naming ``--read-only-path`` when ``interpreter`` lies outside every folder the sandbox shows.
+
+    Only /usr (and the loader's folders) and the ``read_only_paths`` are inside: a conda or virtualenv python
+    elsewhere is "not found" there, which read as a problem of bubblewrap or of the kernel.
+    """
+    path = os.path.abspath(interpreter)
+    shown = [*SYSTEM_FOLDERS, *(os.path.abspath(folder) for folder in settings.read_only_paths)]
+    if any(os.path.commonpath([path, folder]) == folder for folder in shown):
+        return
+    folder = os.path.dirname(path)
+    if os.path.basename(folder) == "bin":  # an environment's root holds its libraries too
+        folder = os.path.dirname(folder)
+    which = f"--python {interpreter}" if settings.python else f"the python3 found on PATH, {interpreter},"
+    raise IsolationError(f"{which} is outside the sandbox, which shows only /usr and the --read-only-path folders; "
+                         f"add --read-only-path {folder} (or pass --python with a python under /usr)")
+
+
 def _mount_arguments(extra_read_only: list[str]) -> list[str]:
     arguments: list[str] = []
     for folder in SYSTEM_FOLDERS:

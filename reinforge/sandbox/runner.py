@@ -28,6 +28,7 @@ from reinforge.sandbox.isolation import (
     WORK_FOLDER,
     IsolationError,
     bwrap_command,
+    check_interpreter_visible,
     child_setup,
     default_python,
     find_bwrap,
@@ -289,6 +290,7 @@ def check_isolation(settings: SandboxSettings, cgroups: SlotCgroups | None = Non
     """Run ``print(6 * 7)`` the way requests will run; IsolationError with the reason if that fails."""
     if settings.isolation == "bubblewrap":
         find_bwrap()
+        check_interpreter_visible(settings.python or default_python(), settings)
     probe = run_request(RunCodeRequest(code="print(6 * 7)", run_timeout=20), settings, slot=0, cgroups=cgroups)
     run = probe.run_result
     if run is None or run.stdout is None or run.stdout.strip() != "42":

@@ -251,6 +251,18 @@ def test_refuses_to_start_without_bwrap(monkeypatch, capsys, caplog):
     assert "cgroups" not in caplog.text  # the one reason given is the missing bwrap
 
 
+def test_an_interpreter_outside_the_sandboxs_folders_names_the_flag_that_shows_it(start_server, tmp_path, capsys):
+    """A conda or venv python is not inside the sandbox (only /usr and --read-only-path folders are): the refusal
+    said "not found" and pointed at user namespaces."""
+    python = tmp_path / "env" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)
+    with pytest.raises(IsolationError, match=re.escape(f"--read-only-path {tmp_path / 'env'}")):
+        start_server(python=str(python))
+    assert main(["sandbox", "serve", "--port", "0", "--python", str(python)]) == 2
+    assert "user namespaces" not in capsys.readouterr().err
+
+
 def test_unsafe_mode_runs_code_without_isolation(monkeypatch, start_server):
     monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap: the flag is what lets it start
     with tempfile.TemporaryDirectory(dir="/tmp") as folder:  # readable by the slot's user id
