@@ -35,7 +35,7 @@ import torch
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
 from reinforge.agent.runner import ToolFailureCheck, agent_totals
 from reinforge.config.schema import Config
-from reinforge.controller.dispatch import SUMMED_METRICS
+from reinforge.controller.dispatch import PADDING_ROWS, SUMMED_METRICS
 from reinforge.engine.device import autocast_context, compute_dtype
 from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids
@@ -358,9 +358,10 @@ class RolloutSide:
         per_row = "request_seed" in batch  # partial samples: one request per row, seeded (and budgeted) as given
         images = batch.non_tensors.get(MULTI_MODAL_KEY)  # a vision-language batch: each row's pixels and grids
         indices = sample_indices(batch)
+        counted = counted_rows(batch)  # a request holds counted rows or padding rows, never both
         while start < len(batch):
             stop = start + 1
-            while not per_row and stop < len(batch) and uids[stop] == uids[start] and \
+            while not per_row and stop < len(batch) and stop != counted and uids[stop] == uids[start] and \
                     indices[stop] == indices[stop - 1] + 1:
                 stop += 1
             tokens = prompt_ids[start][prompt_mask[start].bool()].tolist()
@@ -381,9 +382,9 @@ class RolloutSide:
                   autocast_context(self.device, self.config.model.dtype)):
                 completions = self.rollout_engine.generate(requests)
                 phases.lap("engine")
+        samples = [completion for per_request in completions for completion in per_request]
         responses, response_mask, rollout_log_probs, finish_stop = _response_tensors(
-            [completion for samples in completions for completion in samples], sampling.max_tokens,
-            self.tokenizer.pad_token_id)
+            samples, sampling.max_tokens, self.tokenizer.pad_token_id)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
         output = Batch.from_dict(
             tensors={"prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
@@ -391,7 +392,9 @@ class RolloutSide:
                      "position_ids": build_position_ids(attention_mask), "rollout_log_probs": rollout_log_probs,
                      "finished_by_stop": finish_stop},
             non_tensors={} if images is None else {MULTI_MODAL_KEY: images},  # the sequences' images, as they came
-            meta={"rollout_metrics": dict(getattr(self.rollout_engine, "last_metrics", {})) if requests else {}},
+            meta={"rollout_metrics": without_padding_tokens(
+                dict(getattr(self.rollout_engine, "last_metrics", {})) if requests else {},
+                sum(len(completion.token_ids) for completion in samples[counted:]))},
         )
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
@@ -419,12 +422,14 @@ class RolloutSide:
         self.tool_failure_check(outputs)
         output = agent_output_batch(outputs, batch["input_ids"].shape[1], sampling.max_tokens,
                                     self.tokenizer.pad_token_id)
-        num_sampled = float(sum(sum(output.response_mask) for output in outputs))
+        counted = outputs[:counted_rows(batch)]  # the padding rows' trajectories count nowhere
+        num_sampled = float(sum(sum(output.response_mask) for output in counted))
         engine_seconds = phases.times.get("engine", 0.0)
-        output.meta["rollout_metrics"] = agent_metrics(outputs) | {
+        output.meta["rollout_metrics"] = agent_metrics(counted) | {
             "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
             "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
         if len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix cache held
+            # (its work: the padding rows' part of it included, as the generated tokens above are not)
             from reinforge.rollout.native.counters import count_metrics
 
             output.meta["rollout_metrics"] |= count_metrics(*counts)
@@ -456,6 +461,25 @@ side, so their counts add up (the seconds and rates stay their mean)."""
 
 def rollout_totals(metrics: dict[str, Any]) -> tuple[str, ...]:
     return tuple(name for name in ROLLOUT_TOTALS if name in metrics)
+
+
+def counted_rows(batch: Batch) -> int:
+    """The rows of a member's share that count: all but its padding rows (``PADDING_ROWS``, copies of other members'
+    rows that a DP_COMPUTE split adds so that every member generates, and which the controller drops)."""
+    return len(batch) - int(batch.meta.get(PADDING_ROWS, 0))
+
+
+def without_padding_tokens(metrics: dict[str, Any], padding_tokens: int) -> dict[str, Any]:
+    """The engine's ``metrics`` with the tokens sampled for padding rows left out of ``rollout/num_generated_tokens``
+    and ``rollout/tokens_per_s``. The engine's other counts (its prefill and decode steps, their rows and tokens,
+    preemptions, prefix-cache hits) describe its work, which the padding rows were part of."""
+    if padding_tokens and "rollout/num_generated_tokens" in metrics:
+        generated = max(0.0, metrics["rollout/num_generated_tokens"] - padding_tokens)
+        metrics["rollout/num_generated_tokens"] = generated
+        seconds = metrics.get("rollout/time_s", 0.0)
+        if "rollout/tokens_per_s" in metrics:
+            metrics["rollout/tokens_per_s"] = generated / seconds if seconds > 0 else 0.0
+    return metrics
 
 
 def _vision_processor(config: Config) -> Any:

@@ -265,3 +265,19 @@ def test_agent_rows_seed_each_sample_by_its_index_among_its_prompts_samples():
     rows, samplings = agent_rows(share, SamplingParams(max_tokens=4), [11, 22])
     assert [row["request_id"] for row in rows] == ["a/2", "b/0"]
     assert [sampling.seed for sampling in samplings] == [sample_seed(11, 2), sample_seed(22, 0)]
+
+
+def test_a_members_padding_trajectories_count_nowhere(tiny_model_dir, tool_config):
+    """A share whose last row is padding (a copy of another member's row): its trajectory runs, and counts in no
+    metric of the rollout."""
+    from reinforge.controller.dispatch import PADDING_ROWS
+
+    worker = ActorRolloutWorker(agent_config(tiny_model_dir, tool_config, "native"), total_training_steps=1)
+    batch = prompt_batch(worker.tokenizer, rows=2, samples=1)
+    padded = Batch.concat([batch, batch.index([0])])
+    padded.meta[PADDING_ROWS] = 1
+    sampling = SamplingParams(max_tokens=160, temperature=1.0)
+    alone, with_padding = worker.generate(batch, sampling, seed=5), worker.generate(padded, sampling, seed=5)
+    assert torch.equal(with_padding["responses"][:2], alone["responses"])
+    for name in ("rollout/num_generated_tokens", "num_turns/mean", "agent/num_tool_calls/mean"):
+        assert with_padding.meta["rollout_metrics"][name] == alone.meta["rollout_metrics"][name]

@@ -232,3 +232,25 @@ def test_the_native_engines_counts_add_up_over_the_members(tiny_model_dir):
     count = whole.meta["rollout_metrics"]["rollout/num_generated_tokens"]
     assert count == float(whole["response_mask"].sum()) > 0
     assert merged.meta["rollout_metrics"]["rollout/num_generated_tokens"] == count
+
+
+@pytest.mark.parametrize("rows, members", [(5, 2), (4, 3)])
+def test_the_padding_rows_tokens_count_nowhere(tiny_model_dir, rows, members):
+    """Rows that do not split evenly: the members generate padding rows too (a share of padding and real rows, or
+    of padding alone), and the group's rollout/num_generated_tokens is still the one member's count of the rows."""
+    from reinforge.controller.dispatch import collect_results, plan_member_calls
+    from reinforge.controller.register import Dispatch, Execute, MethodSpec
+    from reinforge.protocol import samples_of
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    batch, sampling = samples_of(prompt_batch(), 3).index(slice(0, rows)), SamplingParams(max_tokens=6)
+    spec = MethodSpec(Dispatch.DP_COMPUTE, Execute.ALL)
+    whole = worker.generate(batch, sampling, 7)
+    plan = plan_member_calls(spec, "generate", members, (batch, sampling, 7), {})
+    assert plan.num_padding > 0
+    merged = collect_results(spec, plan, "generate", [worker.generate(*args) for args, _ in plan.member_arguments])
+    assert torch.equal(merged["responses"], whole["responses"])
+    count = whole.meta["rollout_metrics"]["rollout/num_generated_tokens"]
+    assert merged.meta["rollout_metrics"]["rollout/num_generated_tokens"] == count == float(whole["response_mask"].sum())
