@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from types import ModuleType
 from typing import Any
 
 from rich.console import Console
+
+from reinforge.atomic_files import replaced_atomically
 
 
 @dataclass
@@ -93,3 +96,35 @@ def import_optional(module: str, backend: str, package: str) -> ModuleType:
     except ImportError as error:
         raise ImportError(f"tracking backend {backend!r} needs the {package} package, which is not installed; "
                           f"pip install 'reinforge[tracking]' (or pip install {package})") from error
+
+
+TRACKING_IDS_FILE = "tracking_ids.json"
+"""In the run folder: the id of each external run (W&B, MLflow) that holds the run's metrics, by backend, so that a
+resumed run continues the same external run: {"wandb": {"run_id": "...", "project": "..."}, ...}."""
+
+
+def recorded_run(run_dir: Path, backend: str) -> dict[str, str] | None:
+    """What ``record_run`` kept for ``backend`` in ``run_dir``, or None (a fresh run folder, or an unreadable file:
+    the backend then starts a new external run and records that one)."""
+    try:
+        record = json.loads((run_dir / TRACKING_IDS_FILE).read_text(encoding="utf-8")).get(backend)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str) or not record["run_id"]:
+        return None
+    return {key: value for key, value in record.items() if isinstance(value, str)}
+
+
+def record_run(run_dir: Path, backend: str, record: dict[str, str]) -> None:
+    """Keep ``record`` (the external run's id and what it belongs to) for ``backend`` in ``RUN_DIR/tracking_ids.json``,
+    replaced atomically: a crash leaves the old file or the new one."""
+    path = run_dir / TRACKING_IDS_FILE
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        records = {}
+    if not isinstance(records, dict):
+        records = {}
+    records[backend] = record
+    with replaced_atomically(path) as temporary:
+        temporary.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n", encoding="utf-8")

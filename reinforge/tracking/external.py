@@ -6,14 +6,26 @@ is missing (the ``reinforge[tracking]`` extra has all three).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import netrc
 import os
 import re
 import time
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlparse
 
-from reinforge.tracking.backends import RunInfo, TrackingBackend, import_optional, register_tracking_backend
+from reinforge.tracking.backends import (
+    RunInfo,
+    TrackingBackend,
+    import_optional,
+    record_run,
+    recorded_run,
+    register_tracking_backend,
+)
 
 
 @register_tracking_backend("tensorboard", needs=("tensorboard", "tensorboard"))
@@ -38,12 +50,86 @@ class TensorBoardBackend(TrackingBackend):
         self._writer.close()
 
 
-@register_tracking_backend("wandb", needs=("wandb", "wandb"))
+WANDB_OFF_MODES = ("offline", "dryrun", "disabled")
+"""WANDB_MODE values under which W&B needs no API key."""
+
+
+def _netrc_has_password(host: str) -> bool:
+    """``~/.netrc`` (or the file NETRC names) holds a password for ``host``: where ``wandb login`` keeps the key."""
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def _wandb_api_key_found(wandb: ModuleType) -> bool:
+    """W&B has an API key here, asked without prompting: the run's settings (a ``wandb offline`` settings file needs
+    none), the key in ``~/.netrc`` for W&B's host, then ``wandb.api.api_key`` (which also knows a key given to
+    ``wandb.login`` in this process). Printing nothing."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            settings: Any = wandb.sdk.wandb_setup.singleton().settings  # ("Loading settings from ...")
+    except Exception:  # another wandb version: ask it by its public attribute only
+        settings = None
+    if settings is not None and (getattr(settings, "_offline", False) or getattr(settings, "_noop", False)):
+        return True
+    host = urlparse(str(getattr(settings, "base_url", None) or "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    if _netrc_has_password(host) or getattr(settings, "api_key", None):
+        return True
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # its deprecation line
+        return bool(wandb.api.api_key)
+
+
+def wandb_login_problem() -> str | None:
+    """One line when W&B would start online without an API key (it fails with 'No API key configured' only after the
+    model has loaded), else None. Environment variables first: a key or an offline mode there imports nothing."""
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    disabled = os.environ.get("WANDB_DISABLED", "").strip().lower() in ("true", "1", "yes")
+    if mode in WANDB_OFF_MODES or disabled or os.environ.get("WANDB_API_KEY", "").strip():
+        return None
+    try:
+        if _wandb_api_key_found(importlib.import_module("wandb")):
+            return None
+    except Exception:  # wandb cannot tell here: it says so itself when the run starts
+        return None
+    return ("W&B has no API key here (no WANDB_API_KEY, none in ~/.netrc) and WANDB_MODE is "
+            f"{mode or 'unset'}, so it would fail once the model has loaded; run `wandb login`, set WANDB_API_KEY, "
+            "set WANDB_MODE=offline (and `wandb sync` the run folder later), or remove wandb from trainer.loggers")
+
+
+@register_tracking_backend("wandb", needs=("wandb", "wandb"), check=wandb_login_problem)
 class WandbBackend(TrackingBackend):
+    """A W&B run of project ``project`` named ``experiment``, its files under ``RUN_DIR/wandb``.
+
+    Its id is kept in ``RUN_DIR/tracking_ids.json``: a resumed run (the same run folder, or a copy of it) continues
+    that W&B run (``resume="allow"``) instead of starting a second one; a run that starts over from step 0 in the
+    folder starts a new W&B run. W&B keeps only steps above the last one it holds, so after a resume from an earlier
+    checkpoint, the steps between that checkpoint and where the earlier try stopped keep the earlier try's values
+    (W&B drops the resumed values, with a warning; ``metrics.jsonl`` has the resumed ones). W&B's rewind
+    (``resume_from``) would replace them, but it is a preview W&B enables per account and it does not work offline,
+    so it is not used.
+    """
+
     def __init__(self, run: RunInfo):
         self._wandb = import_optional("wandb", "wandb", "wandb")
-        self._run = self._wandb.init(project=run.project, name=run.experiment, dir=str(run.run_dir),
-                                     config=dict(run.config or {}))
+        self._info = run
+        recorded = recorded_run(run.run_dir, "wandb")
+        self._continued = recorded is not None and recorded.get("project") == run.project
+        self._run = self._start(recorded["run_id"] if recorded is not None and self._continued else None)
+
+    def _start(self, run_id: str | None) -> Any:
+        run = self._info
+        resume: dict[str, str] = {"id": run_id, "resume": "allow"} if run_id else {}
+        started = self._wandb.init(project=run.project, name=run.experiment, dir=str(run.run_dir),
+                                   config=dict(run.config or {}), **resume)
+        try:
+            record_run(run.run_dir, "wandb", {"run_id": started.id, "project": run.project})
+        except BaseException:
+            started.finish()
+            raise
+        return started
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
@@ -55,6 +141,14 @@ class WandbBackend(TrackingBackend):
         table = self._wandb.Table(columns=["step", *columns],
                                   data=[[step, *(row.get(column) for column in columns)] for row in rows])
         self._run.log({"samples": table}, step=step)
+
+    def truncate_after(self, step: int) -> None:
+        """A run that starts over (``step`` -1) where an earlier try logged to a W&B run gets a new W&B run (the old
+        one keeps what it has); a resume continues the run it has (see the class for the steps after ``step``)."""
+        if step < 0 and self._continued:
+            self._continued = False
+            self._run.finish()
+            self._run = self._start(None)
 
     def close(self) -> None:
         self._run.finish()
@@ -134,25 +228,68 @@ class MlflowBackend(TrackingBackend):
     else in ``RUN_DIR/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db``); metrics under
     ``mlflow_metric_name``'s names (see there why), the config as parameters.
 
+    Its id is kept in ``RUN_DIR/tracking_ids.json``: a resumed run continues that MLflow run (in the same store, the
+    run folder's own database included, wherever the folder was copied), and a run that starts over from step 0 in
+    the folder starts a new one. MLflow cannot delete a metric's points, so after a resume from an earlier
+    checkpoint the steps between that checkpoint and where the earlier try stopped are logged again under the same
+    step numbers: MLflow keeps both values (its history and charts show two points at such a step; a metric's latest
+    value is the resumed one), while ``metrics.jsonl`` keeps only the resumed ones. A setting changed on resume keeps
+    its first value among the parameters (MLflow refuses to change one).
+
     It goes through its own ``MlflowClient``, so a caller's active MLflow run and tracking URI are left alone.
     """
 
     def __init__(self, run: RunInfo):
         mlflow = import_optional("mlflow", "mlflow", "mlflow")
-        chosen = chosen_tracking_uri(mlflow)
-        run_dir = run.run_dir.resolve()
-        self.tracking_uri = chosen or f"sqlite:///{run_dir / MLFLOW_DATABASE}"
+        self._mlflow = mlflow
+        self._info = run
+        self._chosen = chosen_tracking_uri(mlflow)
+        self.tracking_uri = self._chosen or f"sqlite:///{run.run_dir.resolve() / MLFLOW_DATABASE}"
         self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
-        experiment = self._client.get_experiment_by_name(run.project)
+        self._entities = mlflow.entities
+        self._earlier_status: str | None = None
+        """The status the continued run had before this try (it is set back there when the run starts over)."""
+        earlier = self._recorded_run()
+        if earlier is not None:
+            self.run_id = earlier.info.run_id
+            self._earlier_status = earlier.info.status
+            self._client.update_run(self.run_id, status="RUNNING")
+            self._log_params(set(earlier.data.params))
+        else:
+            self._start()
+
+    def _store(self) -> str:
+        return self._chosen or MLFLOW_DATABASE  # the run folder's own database, wherever the folder is
+
+    def _recorded_run(self) -> Any:
+        """The MLflow run that ``tracking_ids.json`` names, when it is in this store and experiment, else None."""
+        recorded = recorded_run(self._info.run_dir, "mlflow")
+        if recorded is None or recorded.get("store") != self._store() or recorded.get("project") != self._info.project:
+            return None
+        try:
+            earlier = self._client.get_run(recorded["run_id"])
+            experiment = self._client.get_experiment(earlier.info.experiment_id)
+        except self._mlflow.exceptions.MlflowException:  # deleted, or another database under the same name
+            return None
+        if earlier.info.lifecycle_stage != "active" or experiment.name != self._info.project:
+            return None
+        return earlier
+
+    def _start(self) -> None:
+        experiment = self._client.get_experiment_by_name(self._info.project)
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:  # in the run folder's own database, its artifacts go in the run folder too
-            artifacts = None if chosen else (run_dir / "mlflow-artifacts").as_uri()
-            experiment_id = self._client.create_experiment(run.project, artifact_location=artifacts)
-        self.run_id = self._client.create_run(experiment_id, run_name=run.experiment).info.run_id
-        self._entities = mlflow.entities
+            artifacts = None if self._chosen else (self._info.run_dir.resolve() / "mlflow-artifacts").as_uri()
+            experiment_id = self._client.create_experiment(self._info.project, artifact_location=artifacts)
+        self.run_id = self._client.create_run(experiment_id, run_name=self._info.experiment).info.run_id
+        record_run(self._info.run_dir, "mlflow", {"run_id": self.run_id, "store": self._store(),
+                                                  "project": self._info.project})
+        self._log_params(set())
+
+    def _log_params(self, present: set[str]) -> None:
         params = [self._entities.Param(key, str(value)[:MLFLOW_PARAM_LIMIT])
-                  for key, value in _flatten(run.config or {}).items()]
+                  for key, value in _flatten(self._info.config or {}).items() if key not in present]
         if params:
             self._client.log_batch(self.run_id, params=params)
 
@@ -160,6 +297,14 @@ class MlflowBackend(TrackingBackend):
         timestamp = int(time.time() * 1000)
         self._client.log_batch(self.run_id, metrics=[
             self._entities.Metric(mlflow_metric_name(key), value, timestamp, step) for key, value in metrics.items()])
+
+    def truncate_after(self, step: int) -> None:
+        """A run that starts over (``step`` -1) in a folder whose earlier try logged to an MLflow run gets a new
+        MLflow run, the earlier one set back to its status; a resume continues the run (see the class)."""
+        if step < 0 and self._earlier_status is not None:
+            earlier, status, self._earlier_status = self.run_id, self._earlier_status, None
+            self._client.set_terminated(earlier, status=status if status != "RUNNING" else "KILLED")
+            self._start()
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)

@@ -1,6 +1,11 @@
 """W&B (offline) and MLflow (the run folder's database, a chosen store) receive the metrics; skipped where they are
 not installed."""
 
+import importlib.machinery
+import json
+import sys
+import types
+
 import pytest
 
 from reinforge.config import ConfigError
@@ -96,3 +101,99 @@ def test_a_file_store_this_mlflow_refuses_is_named_before_the_run_starts(tmp_pat
                                        ("step", "step"), ("perf/mfu(actor)", "perf/mfu_actor_")])
 def test_mlflow_metric_names(key, name):
     assert mlflow_metric_name(key) == name
+
+
+def test_a_resumed_mlflow_run_continues_the_same_mlflow_run_and_a_restart_starts_a_new_one(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = tmp_path / "run"
+    with Tracker(run_dir, ["mlflow"], config={"lr": 1}, experiment="demo") as tracker:
+        tracker.truncate_after(-1)  # a fresh run folder: the run just started is kept
+        for step in (1, 2, 3):
+            tracker.log({"loss": float(step)}, step=step)
+    with Tracker(run_dir, ["mlflow"], config={"lr": 2, "seed": 5}, experiment="demo") as tracker:
+        tracker.truncate_after(2)  # resumed from the checkpoint of step 2
+        tracker.log({"loss": 30.0}, step=3)
+    client = mlflow.MlflowClient()
+    [run] = client.search_runs([client.get_experiment_by_name("reinforge").experiment_id])
+    assert json.loads((run_dir / "tracking_ids.json").read_text())["mlflow"]["run_id"] == run.info.run_id
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "1", "seed": "5"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")][-1] == (3, 30.0)
+    assert run.data.metrics == {"loss": 30.0}
+    with Tracker(run_dir, ["mlflow"], experiment="demo") as tracker:
+        tracker.truncate_after(-1)  # started over in the same folder: a new MLflow run
+        tracker.log({"loss": 7.0}, step=1)
+    runs = client.search_runs([client.get_experiment_by_name("reinforge").experiment_id], order_by=["start_time"])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    assert json.loads((run_dir / "tracking_ids.json").read_text())["mlflow"]["run_id"] == runs[-1].info.run_id
+    assert runs[-1].data.metrics == {"loss": 7.0}
+
+
+class FakeWandbRun:
+    def __init__(self, kwargs):
+        self.kwargs, self.id, self.logged, self.finished = kwargs, kwargs.get("id") or f"run{id(self)}", [], False
+
+    def log(self, metrics, step):
+        self.logged.append((step, metrics))
+
+    def finish(self):
+        self.finished = True
+
+
+def fake_wandb(monkeypatch, api_key=None):
+    """A stand-in for the wandb module (not installed in the test environment)."""
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    module.runs = []
+    module.init = lambda **kwargs: module.runs.append(FakeWandbRun(kwargs)) or module.runs[-1]
+    module.api = types.SimpleNamespace(api_key=api_key)
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
+def test_a_resumed_wandb_run_continues_the_same_wandb_run_and_a_restart_starts_a_new_one(tmp_path, monkeypatch):
+    wandb = fake_wandb(monkeypatch)
+    with Tracker(tmp_path, ["wandb"], project="p") as tracker:
+        tracker.truncate_after(-1)
+        tracker.log({"loss": 1.0}, step=1)
+    first = wandb.runs[0]
+    assert "id" not in first.kwargs and first.finished and len(wandb.runs) == 1
+    with Tracker(tmp_path, ["wandb"], project="p") as tracker:
+        tracker.truncate_after(1)
+        tracker.log({"loss": 2.0}, step=2)
+    assert wandb.runs[1].kwargs["id"] == first.id and wandb.runs[1].kwargs["resume"] == "allow"
+    assert wandb.runs[1].logged == [(2, {"loss": 2.0})] and len(wandb.runs) == 2
+    with Tracker(tmp_path, ["wandb"], project="p") as tracker:
+        tracker.truncate_after(-1)  # started over: the continued run is finished, a new one holds the steps
+        tracker.log({"loss": 3.0}, step=1)
+    assert wandb.runs[2].kwargs["id"] == first.id and wandb.runs[2].finished and not wandb.runs[2].logged
+    assert "id" not in wandb.runs[3].kwargs and wandb.runs[3].logged == [(1, {"loss": 3.0})]
+    assert json.loads((tmp_path / "tracking_ids.json").read_text())["wandb"] == {"run_id": wandb.runs[3].id,
+                                                                                 "project": "p"}
+    with Tracker(tmp_path, ["wandb"], project="other"):  # another project: a new run there
+        pass
+    assert "id" not in wandb.runs[4].kwargs
+
+
+def test_wandb_without_an_api_key_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    wandb = fake_wandb(monkeypatch)
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    with pytest.raises(ConfigError) as refused:
+        require_logger_packages(["jsonl", "wandb"])
+    message = str(refused.value)
+    assert message.startswith("trainer.loggers names wandb: W&B has no API key here") and "\n" not in message
+    assert all(fix in message for fix in ("wandb login", "WANDB_API_KEY", "WANDB_MODE=offline"))
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "k" * 40)):
+        monkeypatch.setenv(name, value)
+        require_logger_packages(["wandb"])
+        monkeypatch.delenv(name)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    require_logger_packages(["wandb"])
+    (tmp_path / ".netrc").unlink()
+    wandb.api.api_key = "k" * 40  # a key wandb knows of otherwise (its settings, wandb.login in this process)
+    require_logger_packages(["wandb"])
