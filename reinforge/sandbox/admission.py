@@ -44,33 +44,40 @@ class QueueTimeout(Exception):
 
 
 class SlotPool:
-    """``num_slots`` numbered slots handed out one per running program, with a bounded wait queue."""
+    """``num_slots`` numbered slots handed out one per running program, with a bounded first-come wait queue.
+
+    A freed slot goes to the request that has waited longest: one that arrives while others wait queues behind
+    them, even when a slot is free at that moment (its waiter has not woken yet).
+    """
 
     def __init__(self, num_slots: int, max_queued: int) -> None:
         self._free = list(range(num_slots - 1, -1, -1))
         self._max_queued = max_queued
-        self._waiting = 0
+        self._waiting: list[object] = []
         self._condition = threading.Condition()
 
     def acquire(self, timeout_s: float) -> int:
         """A free slot's number; QueueFull or QueueTimeout when there is none to have."""
         with self._condition:
-            if not self._free:
-                if self._waiting >= self._max_queued:
+            if not self._free or self._waiting:
+                if len(self._waiting) >= self._max_queued:
                     raise QueueFull()
-                self._waiting += 1
+                ticket = object()
+                self._waiting.append(ticket)
                 try:
-                    if not self._condition.wait_for(lambda: bool(self._free), timeout=timeout_s):
+                    if not self._condition.wait_for(lambda: bool(self._free) and self._waiting[0] is ticket,
+                                                    timeout=timeout_s):
                         raise QueueTimeout()
                 finally:
-                    self._waiting -= 1
+                    self._waiting.remove(ticket)
+                    self._condition.notify_all()  # the next in line may be first now
             return self._free.pop()
 
     def release(self, slot: int) -> None:
         with self._condition:
             self._free.append(slot)
-            self._condition.notify()
+            self._condition.notify_all()  # only the first in line takes it; the others wait on
 
     def stats(self) -> dict[str, int]:
         with self._condition:
-            return {"free_slots": len(self._free), "queued": self._waiting}
+            return {"free_slots": len(self._free), "queued": len(self._waiting)}

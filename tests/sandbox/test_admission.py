@@ -42,3 +42,21 @@ def test_slot_pool_queues_up_to_its_bound_and_then_refuses():
 def test_slots_are_distinct_while_held():
     pool = SlotPool(num_slots=3, max_queued=0)
     assert sorted(pool.acquire(timeout_s=1) for _ in range(3)) == [0, 1, 2]
+
+
+def test_a_freed_slot_goes_to_the_longest_waiting_request_not_a_newcomer():
+    """A request that arrived as a slot was freed, before the waiter woke, took it: under load queued requests
+    were passed over again and again until their queue wait ran out (503) while later ones ran."""
+    pool = SlotPool(num_slots=1, max_queued=4)
+    assert pool.acquire(timeout_s=1) == 0
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout_s=5)))
+    waiter.start()
+    while pool.stats()["queued"] != 1:
+        threading.Event().wait(0.01)
+    with pool._condition:  # the newcomer arrives before the waiter can wake
+        pool.release(0)
+        with pytest.raises(QueueTimeout):
+            pool.acquire(timeout_s=0.2)
+    waiter.join()
+    assert got == [0] and pool.stats() == {"free_slots": 0, "queued": 0}
