@@ -103,20 +103,22 @@ def wandb_login_problem() -> str | None:
 class WandbBackend(TrackingBackend):
     """A W&B run of project ``project`` named ``experiment``, its files under ``RUN_DIR/wandb``.
 
-    Its id is kept in ``RUN_DIR/tracking_ids.json``: a resumed run (the same run folder, or a copy of it) continues
-    that W&B run (``resume="allow"``) instead of starting a second one; a run that starts over from step 0 in the
-    folder starts a new W&B run. W&B keeps only steps above the last one it holds, so after a resume from an earlier
-    checkpoint, the steps between that checkpoint and where the earlier try stopped keep the earlier try's values
-    (W&B drops the resumed values, with a warning; ``metrics.jsonl`` has the resumed ones). W&B's rewind
-    (``resume_from``) would replace them, but it is a preview W&B enables per account and it does not work offline,
-    so it is not used.
+    Its id is kept in ``RUN_DIR/tracking_ids.json``: a resumed run continues that W&B run (``resume="allow"``)
+    instead of starting a second one; a run that starts over from step 0 in the folder, or a copy of the folder
+    elsewhere (which would otherwise mix its steps into the original's run), starts a new W&B run.
+
+    W&B keeps only steps above the last one it holds, so after a resume from an earlier checkpoint, the steps between
+    that checkpoint and where the earlier try stopped keep the earlier try's values (W&B drops the resumed values,
+    with a warning; ``metrics.jsonl`` has the resumed ones). W&B's rewind (``resume_from``) would replace them, but it
+    is a preview W&B enables per account and it does not work offline, so it is not used.
     """
 
     def __init__(self, run: RunInfo):
         self._wandb = import_optional("wandb", "wandb", "wandb")
         self._info = run
         recorded = recorded_run(run.run_dir, "wandb")
-        self._continued = recorded is not None and recorded.get("project") == run.project
+        self._continued = (recorded is not None and recorded.get("project") == run.project
+                           and recorded.get("run_dir") == str(run.run_dir.resolve()))  # a copy: a run of its own
         self._run = self._start(recorded["run_id"] if recorded is not None and self._continued else None)
 
     def _start(self, run_id: str | None) -> Any:
@@ -125,7 +127,8 @@ class WandbBackend(TrackingBackend):
         started = self._wandb.init(project=run.project, name=run.experiment, dir=str(run.run_dir),
                                    config=dict(run.config or {}), **resume)
         try:
-            record_run(run.run_dir, "wandb", {"run_id": started.id, "project": run.project})
+            record_run(run.run_dir, "wandb", {"run_id": started.id, "project": run.project,
+                                              "run_dir": str(run.run_dir.resolve())})
         except BaseException:
             started.finish()
             raise
@@ -228,13 +231,15 @@ class MlflowBackend(TrackingBackend):
     else in ``RUN_DIR/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db``); metrics under
     ``mlflow_metric_name``'s names (see there why), the config as parameters.
 
-    Its id is kept in ``RUN_DIR/tracking_ids.json``: a resumed run continues that MLflow run (in the same store, the
-    run folder's own database included, wherever the folder was copied), and a run that starts over from step 0 in
-    the folder starts a new one. MLflow cannot delete a metric's points, so after a resume from an earlier
-    checkpoint the steps between that checkpoint and where the earlier try stopped are logged again under the same
-    step numbers: MLflow keeps both values (its history and charts show two points at such a step; a metric's latest
-    value is the resumed one), while ``metrics.jsonl`` keeps only the resumed ones. A setting changed on resume keeps
-    its first value among the parameters (MLflow refuses to change one).
+    Its id is kept in ``RUN_DIR/tracking_ids.json``: a resumed run continues that MLflow run (in the run folder's
+    own database, wherever the folder is, or in the same chosen store from the same folder: a copy of the folder
+    elsewhere starts a run of its own there), and a run that starts over from step 0 in the folder starts a new one.
+
+    MLflow cannot delete a metric's points, so after a resume from an earlier checkpoint the steps between that
+    checkpoint and where the earlier try stopped are logged again under the same step numbers: MLflow keeps both
+    values (its history and charts show two points at such a step; a metric's latest value is the resumed one), while
+    ``metrics.jsonl`` keeps only the resumed ones. A setting changed on resume keeps its first value among the
+    parameters (MLflow refuses to change one).
 
     It goes through its own ``MlflowClient``, so a caller's active MLflow run and tracking URI are left alone.
     """
@@ -266,6 +271,8 @@ class MlflowBackend(TrackingBackend):
         recorded = recorded_run(self._info.run_dir, "mlflow")
         if recorded is None or recorded.get("store") != self._store() or recorded.get("project") != self._info.project:
             return None
+        if self._chosen and recorded.get("run_dir") != str(self._info.run_dir.resolve()):
+            return None  # a copy of the folder, logging to the same store: a run of its own
         try:
             earlier = self._client.get_run(recorded["run_id"])
             experiment = self._client.get_experiment(earlier.info.experiment_id)
@@ -284,7 +291,8 @@ class MlflowBackend(TrackingBackend):
             experiment_id = self._client.create_experiment(self._info.project, artifact_location=artifacts)
         self.run_id = self._client.create_run(experiment_id, run_name=self._info.experiment).info.run_id
         record_run(self._info.run_dir, "mlflow", {"run_id": self.run_id, "store": self._store(),
-                                                  "project": self._info.project})
+                                                  "project": self._info.project,
+                                                  "run_dir": str(self._info.run_dir.resolve())})
         self._log_params(set())
 
     def _log_params(self, present: set[str]) -> None:

@@ -3,6 +3,7 @@ not installed."""
 
 import importlib.machinery
 import json
+import shutil
 import sys
 import types
 
@@ -169,11 +170,15 @@ def test_a_resumed_wandb_run_continues_the_same_wandb_run_and_a_restart_starts_a
         tracker.log({"loss": 3.0}, step=1)
     assert wandb.runs[2].kwargs["id"] == first.id and wandb.runs[2].finished and not wandb.runs[2].logged
     assert "id" not in wandb.runs[3].kwargs and wandb.runs[3].logged == [(1, {"loss": 3.0})]
-    assert json.loads((tmp_path / "tracking_ids.json").read_text())["wandb"] == {"run_id": wandb.runs[3].id,
-                                                                                 "project": "p"}
+    assert json.loads((tmp_path / "tracking_ids.json").read_text())["wandb"] == {
+        "run_id": wandb.runs[3].id, "project": "p", "run_dir": str(tmp_path.resolve())}
     with Tracker(tmp_path, ["wandb"], project="other"):  # another project: a new run there
         pass
     assert "id" not in wandb.runs[4].kwargs
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-copy")
+    with Tracker(tmp_path.parent / f"{tmp_path.name}-copy", ["wandb"], project="other") as tracker:
+        tracker.truncate_after(3)  # a copy resumed elsewhere: its own run, the original's is left alone
+    assert "id" not in wandb.runs[5].kwargs and len(wandb.runs) == 6
 
 
 def test_wandb_without_an_api_key_is_refused_before_the_model_loads(tmp_path, monkeypatch):
