@@ -8,7 +8,9 @@ DP_COMPUTE gathers member results by type:
     that is a dict of metrics on every member (``rollout_metrics``, ``mismatch_metrics``) is
     merged like the metrics below, except that the names a member lists in its meta's
     ``summed_metrics`` (totals over its rows: an agent loop's tool errors) are added up; any other
-    meta value comes from rank 0, so per-row values belong in columns, not in meta;
+    meta value comes from rank 0, so per-row values belong in columns, not in meta; the names it lists in
+    ``row_means`` (means over its rows that count: a fraction of its samples) are weighted by each member's rows,
+    padding left out, so that an uneven split gives the mean over the batch's rows;
   - ``dict`` (metrics): numeric values are averaged over the members (each member saw an equal
     share of rows, padding included; names with the word ``max``, ``peak`` or ``slowest`` take the
     largest, with ``min`` the smallest), other values come from rank 0;
@@ -129,10 +131,13 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
     merged = Batch.concat_unpadded(marked)
     merged.meta.pop(PADDING_ROWS, None)
     summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
+    row_means = {name for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
+    num_rows = plan.chunk_size * len(chunks) - plan.num_padding
+    counted = [min(plan.chunk_size, max(0, num_rows - rank * plan.chunk_size)) for rank in range(len(chunks))]
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):
-            merged.meta[key] = average_metrics(values, summed)
+            merged.meta[key] = average_metrics(values, summed, {name: counted for name in row_means})
     return merged
 
 
@@ -144,13 +149,21 @@ SUMMED_METRICS = "summed_metrics"
 added up over the members instead of averaged."""
 
 
-def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str] = ()) -> dict[str, Any]:
+ROW_MEANS = "row_means"
+"""The meta key under which a member's ``Batch`` names the metrics of its meta dicts that are means over its rows
+that count (padding left out), weighted by those rows over the members instead of averaged."""
+
+
+def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str] = (),
+                    weights: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
     """Mean over members of each numeric value (largest for ``max``/``peak``/``slowest`` names, smallest for ``min``,
-    the sum for the names in ``summed``).
+    the sum for the names in ``summed``, the mean weighted by ``weights[name]``, one weight per member, for those
+    names; where the weights of the members that have it add up to 0, the plain mean).
 
     Members lacking a key are left out; non-numeric values come from the first member that has them.
     """
     merged: dict[str, Any] = {}
+    weights = weights or {}
     for key in dict.fromkeys(key for metrics in per_member for key in metrics):
         values = [metrics[key] for metrics in per_member if key in metrics]
         numbers_only = [_as_number(value) for value in values]
@@ -158,6 +171,13 @@ def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str]
             words = set(re.split(r"[/_.\s]+", key.lower()))
             reduce = sum if key in summed else max if words & {"max", "peak", "slowest"} else \
                 min if "min" in words else np.mean
+            if key in weights and key not in summed:
+                member_weights = [float(weight) for weight, metrics in zip(weights[key], per_member, strict=True)
+                                  if key in metrics]
+                if sum(member_weights) > 0:
+                    merged[key] = float(sum(number * weight for number, weight in
+                                            zip(numbers_only, member_weights, strict=True)) / sum(member_weights))
+                    continue
             merged[key] = float(reduce(numbers_only))
         else:
             merged[key] = values[0]

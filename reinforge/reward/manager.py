@@ -274,7 +274,7 @@ class RewardManager:
             extras["overlong_penalty"] = penalties.tolist()
             shaped = penalties < 0
             metrics |= {"reward/overlong/count": float(shaped.sum()),
-                        "reward/overlong/fraction": float(shaped.float().mean()) if num_samples else 0.0}
+                        "reward/overlong/fraction": float(shaped.sum()) / num_samples if num_samples else 0.0}
         named = {f"{FUNCTION_SCORES_PREFIX}{function.name}": function_scores[row].tolist()
                  for row, function in enumerate(self.functions) if function.scorer is not None}
         return RewardOutput(

@@ -9,13 +9,16 @@ import numpy as np
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.controller.dispatch import PADDING_ROWS, SUMMED_METRICS
+from reinforge.controller.dispatch import PADDING_ROWS, ROW_MEANS, SUMMED_METRICS
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.reward.manager import RewardManager, RewardOutput, ScorerFailure, all_failed_message
 
 REWARD_TOTALS = ("reward/errors", "reward/timeouts", "reward/memory_exceeded", "reward/overlong/count")
 """The reward metrics that count samples: several members' counts add up."""
+
+REWARD_FRACTIONS = ("reward/overlong/fraction",)
+"""The reward metrics that are fractions of the samples: several members' are weighted by their rows."""
 
 SCORER_FAILURES = "scorer_failures"
 """On several members: the column of each row's failure (``error``, ``timeout``, ``memory`` or None) and the meta
@@ -51,6 +54,7 @@ class RewardWorker(Worker):
         padding = int(batch.meta.get(PADDING_ROWS, 0))
         scored.meta["reward_metrics"] = counted_rows(output, len(batch) - padding) if padding else dict(output.metrics)
         scored.meta[SUMMED_METRICS] = tuple(name for name in scored.meta["reward_metrics"] if name in REWARD_TOTALS)
+        scored.meta[ROW_MEANS] = tuple(name for name in scored.meta["reward_metrics"] if name in REWARD_FRACTIONS)
         return scored
 
 

@@ -35,7 +35,7 @@ import torch
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
 from reinforge.agent.runner import ToolFailureCheck, agent_totals
 from reinforge.config.schema import Config
-from reinforge.controller.dispatch import PADDING_ROWS, SUMMED_METRICS
+from reinforge.controller.dispatch import PADDING_ROWS, ROW_MEANS, SUMMED_METRICS
 from reinforge.engine.device import autocast_context, compute_dtype
 from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids
@@ -425,7 +425,8 @@ class RolloutSide:
         counted = outputs[:counted_rows(batch)]  # the padding rows' trajectories count nowhere
         num_sampled = float(sum(sum(output.response_mask) for output in counted))
         engine_seconds = phases.times.get("engine", 0.0)
-        output.meta["rollout_metrics"] = agent_metrics(counted) | {
+        trajectories = agent_metrics(counted)
+        output.meta["rollout_metrics"] = trajectories | {
             "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
             "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
         if len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix cache held
@@ -437,6 +438,8 @@ class RolloutSide:
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         metrics = output.meta["rollout_metrics"]
         output.meta[SUMMED_METRICS] = agent_totals(metrics) + rollout_totals(metrics)  # several workers add them up
+        # the trajectories' means: several workers' are weighted by their trajectories
+        output.meta[ROW_MEANS] = tuple(name for name in trajectories if name.endswith("/mean"))
         return output
 
     @contextlib.contextmanager

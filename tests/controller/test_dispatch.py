@@ -67,3 +67,15 @@ def test_totals_a_member_names_are_added_up_over_the_members():
         member.meta["summed_metrics"] = ("agent/tool_errors",)
     merged = collect_results(DP, plan, "generate", members).meta["rollout_metrics"]
     assert merged == {"agent/tool_errors": 4.0, "num_turns/mean": 3.0, "timing_s/agent_loop/slowest/tool_calls": 9.0}
+
+
+def test_means_a_member_names_are_weighted_by_its_rows_that_count():
+    """Three rows on two members (the second's last row is padding): a fraction over each member's rows that count
+    becomes the fraction over the three rows, not the members' mean."""
+    plan = plan_member_calls(DP, "score", 2, (Batch.from_dict({"x": torch.arange(3)}),), {})
+    members = [Batch.from_dict({"y": torch.arange(2)}), Batch.from_dict({"y": torch.arange(2)})]
+    for fraction, member in zip((0.5, 1.0), members, strict=True):
+        member.meta["reward_metrics"] = {"overlong/fraction": fraction, "time_s": fraction}
+        member.meta["row_means"] = ("overlong/fraction",)
+    merged = collect_results(DP, plan, "score", members).meta["reward_metrics"]
+    assert merged == {"overlong/fraction": pytest.approx(2 / 3), "time_s": 0.75}

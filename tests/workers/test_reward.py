@@ -23,15 +23,19 @@ def exact(solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.mark.parametrize("texts", [["raise", "7", "raise", "raise", "7"], ["7", "raise", "7"]])
+@pytest.mark.parametrize("texts", [["raise", "7", "raise", "raise", "7"], ["7", "raise", "7"],
+                                   ["7" * 11, "7", "7"]])
 def test_reward_counts_add_up_over_members_and_leave_out_the_padding_rows(tmp_path, monkeypatch, texts):
     """Five rows, or three, on two members (the second member's last row is a copy of the first row): reward/errors
-    is the one-member count, not the members' mean, nor a count of the copy."""
+    and reward/overlong/count are the one-member counts, not the members' mean, nor counts of the copy, and
+    reward/overlong/fraction is over the rows."""
     (tmp_path / "scorers.py").write_text(SCORER)
     tokenizer = build_byte_tokenizer()
     monkeypatch.setattr(reward, "load_tokenizer", lambda *args, **kwargs: tokenizer)
     config = Config()
+    config.data.max_response_length = 12
     config.reward = RewardConfig(num_workers=0, custom_function=f"{tmp_path / 'scorers.py'}:exact")
+    config.reward.overlong_buffer.enable, config.reward.overlong_buffer.len = True, 8
     batch = make_batch(tokenizer, texts, ["7"] * len(texts), ["x"] * len(texts))
     counted = {}
     for members in (1, 2):
@@ -44,6 +48,7 @@ def test_reward_counts_add_up_over_members_and_leave_out_the_padding_rows(tmp_pa
         counted[members] = scored.meta["reward_metrics"]
     assert counted[2] == counted[1]
     assert counted[1]["reward/errors"] == texts.count("raise")
+    assert counted[1]["reward/overlong/fraction"] == counted[1]["reward/overlong/count"] / len(texts)
 
 
 def _group_scores(tmp_path, monkeypatch, texts, members):
