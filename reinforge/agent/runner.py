@@ -24,11 +24,14 @@ import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reinforge.agent.loop import AgentContext, AgentLoopOutput, TokenClient, agent_name_of, get_agent_loop
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from reinforge.protocol import Batch
 
 
 class AsyncEngineClient:
@@ -273,6 +276,12 @@ def failed_tools(counts: Iterable[tuple[int, int]]) -> str | None:
             "out, or its service did not run it)")
 
 
+TOOL_CHECK_BY_CALLER = "tool_check_by_caller"
+"""The meta key of a batch sent to a generating group of several members, each of which sees only its share: set
+(True), a member leaves ``ToolFailureCheck`` to the caller and names its tools under the same key of its agent output's
+meta instead; the caller runs the check once over the gathered batch (``ToolFailureCheck.gathered``)."""
+
+
 class ToolFailureCheck:
     """Stops a run whose tools fail every call they get, ``TOOL_FAILURE_STEPS`` rollouts in a row (a tool may well
     raise on a model's bad arguments now and then; one that never answers teaches nothing, and the run must not
@@ -283,7 +292,23 @@ class ToolFailureCheck:
         self.failed_in_a_row = 0
 
     def __call__(self, outputs: list[AgentLoopOutput]) -> None:
-        reached, failed = calls_reaching_tools(outputs)
+        self.check([tool_call_counts(output) for output in outputs])
+
+    def gathered(self, batch: Batch) -> Batch:
+        """``batch``, a generating group's result, without its members' ``TOOL_CHECK_BY_CALLER``; where they left
+        the check to the caller, it runs here, once, over the batch's ``tool_call_counts`` (the members' padding
+        rows are gone from it). A result without it (one member's, which checked its rows itself) passes as it is."""
+        tool_names = batch.meta.pop(TOOL_CHECK_BY_CALLER, None)
+        if tool_names is None:
+            return batch
+        self.tool_names = list(tool_names)
+        self.check(batch["tool_call_counts"])
+        return batch
+
+    def check(self, counts: Iterable[tuple[int, int]]) -> None:
+        """counts: ``tool_call_counts`` of each trajectory of one rollout."""
+        counts = [(int(reached), int(failed)) for reached, failed in counts]
+        reached, failed = sum(each for each, _ in counts), sum(each for _, each in counts)
         if reached < TOOL_FAILURE_MIN_CALLS:
             return
         self.failed_in_a_row = self.failed_in_a_row + 1 if failed == reached else 0

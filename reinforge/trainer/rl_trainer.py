@@ -9,6 +9,7 @@ controller holds only the Batch and pure functions from ``reinforge.algorithms``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.agent.runner import failed_tools
+from reinforge.agent.runner import TOOL_CHECK_BY_CALLER, ToolFailureCheck, failed_tools
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
     apply_kl_penalty,
@@ -256,7 +257,7 @@ class RLTrainer(TrainingRun):
         config, algorithm = self.config, self.config.algorithm
         batch = samples_of(prompts, config.rollout.n)
         with _timed(timing, "gen"):
-            batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
+            batch = without_prompt_tensors(batch) | self.generate(
                 batch, self.sampling(), step_seed(config.trainer.seed, self.step))
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
@@ -272,6 +273,27 @@ class RLTrainer(TrainingRun):
             batch = self._add_log_probs(batch, timing)
             self._add_rewards(batch, metrics)
         return batch
+
+    @functools.cached_property
+    def tool_failure_check(self) -> ToolFailureCheck:
+        """The tool failure check of the batches a generating group of several members returns (one member checks
+        its own): its rollouts failed in a row last as long as the run's process, as a member's do."""
+        return ToolFailureCheck([])
+
+    def generate(self, batch: Batch, sampling: SamplingParams, seed: int) -> Batch:
+        """``actor_rollout.generate``, its agent rows' tool calls checked over the whole batch (``generation_of``)."""
+        return self.generation_of(self.actor_rollout)(batch, sampling, seed).result()
+
+    def generation_of(self, group: WorkerGroup) -> Callable[[Batch, SamplingParams, int], ToolCheckedGeneration]:
+        """Submits ``group.generate(batch, sampling, seed)``. Each of several members sees only its share of the
+        rows: they leave ``ToolFailureCheck`` to this side, which runs it once on the gathered batch when its result
+        is read (the line one member raises, where every tool call of the batch's rows failed rollout after rollout)."""
+        def submit(batch: Batch, sampling: SamplingParams, seed: int) -> ToolCheckedGeneration:
+            if getattr(group, "num_members", 1) > 1:
+                batch = Batch(batch.tensors, batch.non_tensors, {**batch.meta, TOOL_CHECK_BY_CALLER: True})
+            return ToolCheckedGeneration(group.generate.async_call(batch, sampling, seed), self.tool_failure_check)
+
+        return submit
 
     def score(self, batch: Batch, timing: dict[str, float] | None = None) -> Batch:
         """token_level_scores of generated samples: the rule-based scorer's, or with a reward model, its score
@@ -353,7 +375,7 @@ class RLTrainer(TrainingRun):
     def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of each prompt's greedy response, broadcast to its samples."""
         greedy_sampling = replace(self.sampling(), temperature=0.0)
-        greedy = without_prompt_tensors(prompts) | self.actor_rollout.generate(prompts, greedy_sampling, 0)
+        greedy = without_prompt_tensors(prompts) | self.generate(prompts, greedy_sampling, 0)
         scores = self.score(greedy)["token_level_scores"].sum(-1)
         return scores.repeat_interleave(self.config.rollout.n)
 
@@ -382,7 +404,7 @@ class RLTrainer(TrainingRun):
         # an off-policy mode's rollout copy may lag the trainer (trainer.trigger_sync_steps): validate what is saved
         with self.mode.current_weights() if self.mode is not None and self.rollout is None else contextlib.nullcontext():
             return run_validation(self.val_loader, self.config.rollout.val_kwargs.n, self.sampling(validation=True),
-                                  self.config.trainer.seed + 7, self.actor_rollout.generate, self.reward.score)
+                                  self.config.trainer.seed + 7, self.generate, self.reward.score)
 
     # ---- the run ------------------------------------------------------------------------
     def checkpoint_extras(self) -> dict[str, Any]:
@@ -395,7 +417,7 @@ class RLTrainer(TrainingRun):
         """What an off-policy mode calls: generation on the rollout group (or the actor's), the reward group's
         scores, the actor's log-probs, this trainer's step and weight sync."""
         generator = self.rollout if self.rollout is not None else self.actor_rollout
-        return TrainerCalls(next_prompts=self.next_prompts, generate=generator.generate.async_call,
+        return TrainerCalls(next_prompts=self.next_prompts, generate=self.generation_of(generator),
                             score=self.score, compute_log_prob=self.actor_rollout.compute_log_prob,
                             train_on_batch=self.train_on_batch, sync_rollout_weights=self.sync_rollout_weights,
                             trained_steps=lambda: self.step, sampling=self.sampling(), pad_token_id=self.pad_token_id,
@@ -553,6 +575,31 @@ def _group_builder(config: Config, placement: RolePlacement, log_dir: Path,
                            init_kwargs=init_kwargs or None)
 
     return build
+
+
+class ToolCheckedGeneration:
+    """A generation under way (its group's future): ``result()`` is the generated batch, once through
+    ``check.gathered``; a ``ToolFailure`` it raised is raised again by every later read, as a member's error is."""
+
+    def __init__(self, future: Any, check: ToolFailureCheck):
+        self.future, self.check = future, check
+        self._checked: Batch | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return bool(self.future.done())
+
+    def result(self, *timeout_s: Any) -> Batch:
+        if self._error is not None:
+            raise self._error
+        if self._checked is None:
+            generated = self.future.result(*timeout_s)
+            try:
+                self._checked = self.check.gathered(generated)
+            except Exception as error:
+                self._error = error
+                raise
+        return self._checked
 
 
 @contextlib.contextmanager

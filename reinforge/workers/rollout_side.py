@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
-from reinforge.agent.runner import ToolFailureCheck, agent_totals
+from reinforge.agent.runner import TOOL_CHECK_BY_CALLER, ToolFailureCheck, agent_totals
 from reinforge.config.schema import Config
 from reinforge.controller.dispatch import PADDING_ROWS, ROW_MEANS, SUMMED_METRICS
 from reinforge.engine.device import autocast_context, compute_dtype
@@ -419,7 +419,10 @@ class RolloutSide:
             phases.lap("engine")
             if engine_counts is not None:
                 counts.append(engine_counts())
-        self.tool_failure_check(outputs)
+        # one of several members sees only its share: the caller checks the gathered batch (``gathered``)
+        by_caller = bool(batch.meta.get(TOOL_CHECK_BY_CALLER))
+        if not by_caller:
+            self.tool_failure_check(outputs)
         output = agent_output_batch(outputs, batch["input_ids"].shape[1], sampling.max_tokens,
                                     self.tokenizer.pad_token_id)
         counted = outputs[:counted_rows(batch)]  # the padding rows' trajectories count nowhere
@@ -440,6 +443,8 @@ class RolloutSide:
         output.meta[SUMMED_METRICS] = agent_totals(metrics) + rollout_totals(metrics)  # several workers add them up
         # the trajectories' means: several workers' are weighted by their trajectories
         output.meta[ROW_MEANS] = tuple(name for name in trajectories if name.endswith("/mean"))
+        if by_caller:
+            output.meta[TOOL_CHECK_BY_CALLER] = list(self.tool_failure_check.tool_names)
         return output
 
     @contextlib.contextmanager

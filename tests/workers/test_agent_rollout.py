@@ -281,3 +281,120 @@ def test_a_members_padding_trajectories_count_nowhere(tiny_model_dir, tool_confi
     assert torch.equal(with_padding["responses"][:2], alone["responses"])
     for name in ("rollout/num_generated_tokens", "num_turns/mean", "agent/num_tool_calls/mean"):
         assert with_padding.meta["rollout_metrics"][name] == alone.meta["rollout_metrics"][name]
+
+
+class _FakeToolTrajectories:
+    """The agent runner of ``_ToolRows``: each row's trajectory made three tool calls, all raising where its
+    ``extra_info`` says ``fail``, none otherwise."""
+
+    tools = {"echo": None}
+
+    def run(self, rows, samplings, client):
+        from reinforge.agent import AgentLoopOutput
+
+        raised = [3.0 if row["extra_info"].get("fail") else 0.0 for row in rows]
+        return [AgentLoopOutput(row["prompt_ids"], [7, 8], [1, 1], [0.0, 0.0], num_turns=4,
+                                metrics={"num_tool_calls": 3.0, "tool_errors": count, "tool_raised": count})
+                for row, count in zip(rows, raised, strict=True)]
+
+
+def _tool_rows_worker():
+    """A generating worker whose rollout side runs ``_FakeToolTrajectories`` instead of a model (engine, weights
+    and tokenizer stand-ins): its agent path and its tool failure check are the real ones."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from reinforge.agent.runner import ToolFailureCheck
+    from reinforge.controller import Dispatch, Worker, register
+    from reinforge.workers.rollout_side import RolloutSide
+
+    class ToolRows(Worker):
+        def __init__(self):
+            side = RolloutSide.__new__(RolloutSide)
+            side.config, side.device = Config(), torch.device("cpu")
+            side.tokenizer = SimpleNamespace(pad_token_id=0)
+            side.rollout_engine = SimpleNamespace(sleep=lambda abandon=False: None, generate=lambda requests: [])
+            side.weights = SimpleNamespace(awake=lambda phases: contextlib.nullcontext())
+            side.rollout_model, side.agent_runner = None, _FakeToolTrajectories()
+            side.tool_failure_check = ToolFailureCheck(sorted(side.agent_runner.tools))
+            self.side = side
+
+        @register(dispatch=Dispatch.DP_COMPUTE)
+        def generate(self, batch, sampling, seed=0):
+            return self.side.generate(batch, sampling, seed)
+
+        @register(dispatch=Dispatch.ONE_TO_ALL)
+        def compute_log_prob(self, batch):
+            raise NotImplementedError
+
+        rollout_copy_weights = load_rollout_weights = compute_log_prob
+
+    return ToolRows
+
+
+def _tool_rollouts(failing_rows: list[bool], members: int, rollouts: int = 3, path: str = "step"):
+    """``rollouts`` generations of one row per entry of ``failing_rows`` on a generating group of ``members``, by
+    ``path``: a step's (``RLTrainer._generate_scored``, scoring left out), validation's, or an off-policy mode's
+    (``TrainerCalls.generate``); the exception that stopped them, else None."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from reinforge.controller import WorkerGroup
+    from reinforge.protocol import samples_of
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+    rows = len(failing_rows)
+    prompts = Batch.from_dict(tensors={"input_ids": torch.ones(rows, 3, dtype=torch.long),
+                                       "attention_mask": torch.ones(rows, 3, dtype=torch.long)},
+                              non_tensors={"uid": np.array([f"u{row}" for row in range(rows)], dtype=object),
+                                           "agent_name": np.array(["tool_agent"] * rows, dtype=object),
+                                           "extra_info": np.array([{"fail": fail} for fail in failing_rows],
+                                                                  dtype=object),
+                                           "data_source": np.array(["x"] * rows, dtype=object)})
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.config = Config()
+    trainer.config.rollout.n = trainer.config.rollout.val_kwargs.n = 1
+    trainer.step, trainer.total_steps, trainer.train_loader, trainer.run_dir = 0, 10, [prompts], Path(".")
+    trainer.val_loader, trainer.mode, trainer.rollout, trainer.pad_token_id = [prompts], None, None, 0
+    trainer.score = lambda batch, timing=None: Batch()
+    trainer.reward = SimpleNamespace(score=lambda batch: Batch.from_dict({"token_level_scores": torch.zeros(rows, 2)}))
+    trainer.actor_rollout = WorkerGroup(_tool_rows_worker(), num_members=members, timeout_s=30)
+    try:
+        for _ in range(rollouts):
+            if path == "step":
+                trainer._generate_scored(prompts, {}, {})
+            elif path == "validation":
+                trainer.validate()
+            else:
+                calls = trainer._mode_calls()
+                calls.generate(samples_of(prompts, 1), calls.sampling, trainer.step).result()
+            trainer.step += 1
+    except Exception as error:  # noqa: BLE001 - the outcome compared
+        return error
+    finally:
+        trainer.actor_rollout.shutdown()
+    return None
+
+
+@pytest.mark.parametrize("path", ["step", "validation", "one_step_off"])
+def test_a_members_share_whose_tool_calls_all_failed_does_not_stop_a_batch_where_others_succeeded(path):
+    """Rows 0-3 fail every tool call, rows 4-7 succeed: on two members the first member's share fails three rollouts
+    in a row, the batch does not; the run goes on, as on one member."""
+    for members in (1, 2):
+        assert _tool_rollouts([True] * 4 + [False] * 4, members, path=path) is None
+
+
+@pytest.mark.parametrize(("rows", "path"), [(8, "step"), (7, "step"), (7, "validation"), (7, "one_step_off")])
+def test_a_batch_whose_tool_calls_all_failed_stops_with_the_one_member_line(rows, path):
+    """Every row's calls failed (seven rows: the second member's share ends with a padding row, left out of the
+    count): on two members the third rollout raises the ToolFailure one member raises, word for word, and not
+    before."""
+    from reinforge.agent.runner import TOOL_FAILURE_STEPS, ToolFailure
+
+    alone, split = (_tool_rollouts([True] * rows, members, path=path) for members in (1, 2))
+    assert isinstance(alone.__cause__, ToolFailure) and isinstance(split, ToolFailure)
+    assert str(split) == str(alone.__cause__)
+    assert f"every one of the {3 * rows} tool calls" in str(split) and "(tools: echo)" in str(split)
+    assert _tool_rollouts([True] * rows, 2, rollouts=TOOL_FAILURE_STEPS - 1, path=path) is None
