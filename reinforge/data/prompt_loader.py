@@ -36,7 +36,7 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
     non_tensors: ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``columns`` (dict of
     the row's other columns, for the reward function), ``raw_prompt`` (messages or string),
     ``index`` (row number in the files), ``uid`` (one per prompt), ``agent_name`` when any
-    row names an agent loop, and ``multi_modal_inputs`` (each row's pixel values and image grids,
+    row names an agent loop (and meta ``AGENT_LOOPS`` when one is not ``single_turn``), and ``multi_modal_inputs`` (each row's pixel values and image grids,
     ``data.multimodal``) when ``image_inputs`` are given.
     """
     longest = max(len(example.prompt_ids) for example in examples)
@@ -52,7 +52,7 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
         non_tensors["agent_name"] = [example.agent_name for example in examples]
     if image_inputs is not None:
         non_tensors[MULTI_MODAL_KEY] = list(image_inputs)
-    return Batch.from_dict(
+    batch = Batch.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask},
         non_tensors=non_tensors | {
             "data_source": [example.data_source for example in examples],
@@ -64,6 +64,14 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
             "uid": list(uids),
         },
     )
+    if any(example.agent_name not in (None, "", "single_turn") for example in examples):
+        batch.meta[AGENT_LOOPS] = True  # every member's share goes through the agent loops, its single-turn rows too
+    return batch
+
+
+AGENT_LOOPS = "agent_loops"
+"""The meta key of a prompt batch any row of which names a multi-turn agent loop: split over several members, each
+share takes the agent path (and returns its columns), whatever rows it drew."""
 
 
 class PromptLoader:

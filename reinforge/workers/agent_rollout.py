@@ -17,6 +17,7 @@ import torch
 
 from reinforge.agent import AgentLoopOutput, agent_name_of
 from reinforge.agent.runner import tool_call_counts
+from reinforge.data.prompt_loader import AGENT_LOOPS
 from reinforge.engine.forward import build_position_ids
 from reinforge.protocol import MULTI_MODAL_KEY, SAMPLE_INDEX_KEY, Batch
 from reinforge.rollout.base import SamplingParams
@@ -26,7 +27,10 @@ ROW_COLUMNS = ("raw_prompt", "extra_info", "agent_name", "index", "uid", "data_s
 
 
 def uses_agent_loops(batch: Batch) -> bool:
-    return "agent_name" in batch and any(agent_name_of(name) != "single_turn" for name in batch["agent_name"])
+    """Whether ``batch`` goes through the agent loops: a row names a multi-turn loop, or the prompt batch it is a
+    member's share of does (``AGENT_LOOPS``), so that every share returns the same columns."""
+    return bool(batch.meta.get(AGENT_LOOPS)) or ("agent_name" in batch and any(
+        agent_name_of(name) != "single_turn" for name in batch["agent_name"]))
 
 
 def sample_indices(batch: Batch) -> list[int]:

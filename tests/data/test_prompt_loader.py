@@ -41,6 +41,16 @@ def test_collate_left_pads_and_keeps_reward_inputs():
     assert list(batch["index"]) == [3, 9] and list(batch["uid"]) == ["u0", "u1"]
 
 
+@pytest.mark.parametrize("names, marked", [(["tool_agent", None], True), (["single_turn", None], False),
+                                            ([None, None], False)])
+def test_a_batch_with_a_multi_turn_row_is_marked_for_the_agent_path(names, marked):
+    from reinforge.data.prompt_loader import AGENT_LOOPS
+
+    examples = [PromptExample(index=i, prompt_ids=[5], raw_prompt="a", data_source="arithmetic", ground_truth="1",
+                              extra_info={}, agent_name=name) for i, name in enumerate(names)]
+    assert collate_prompts(examples, pad_token_id=0, uids=["u0", "u1"]).meta.get(AGENT_LOOPS, False) is marked
+
+
 def test_pad_id_falls_back_to_eos(make_tiny_tokenizer):
     assert get_pad_token_id(make_tiny_tokenizer()) == 0
     assert get_pad_token_id(make_tiny_tokenizer(pad_token=None)) == 1

@@ -398,3 +398,17 @@ def test_a_batch_whose_tool_calls_all_failed_stops_with_the_one_member_line(rows
     assert str(split) == str(alone.__cause__)
     assert f"every one of the {3 * rows} tool calls" in str(split) and "(tools: echo)" in str(split)
     assert _tool_rollouts([True] * rows, 2, rollouts=TOOL_FAILURE_STEPS - 1, path=path) is None
+
+
+def test_a_share_of_single_turn_rows_takes_the_agent_path_when_its_batch_has_agent_rows(tiny_model_dir, tool_config):
+    """Split over members, a batch mixing single-turn and tool rows gives one member single-turn rows alone: it must
+    return the agent path's columns as the others do, or the gathered shares do not concatenate."""
+    from reinforge.data.prompt_loader import AGENT_LOOPS
+
+    worker = ActorRolloutWorker(agent_config(tiny_model_dir, tool_config, "hf"), total_training_steps=1)
+    share = prompt_batch(worker.tokenizer, rows=2, samples=1)
+    share.non_tensors["agent_name"] = ["single_turn"] * 2
+    sampling = SamplingParams(max_tokens=8, temperature=1.0)
+    assert "num_turns" not in worker.generate(share, sampling, seed=5)
+    share.meta[AGENT_LOOPS] = True
+    assert "num_turns" in worker.generate(share, sampling, seed=5)
