@@ -22,14 +22,20 @@ def test_token_bucket_admits_a_burst_then_refills_at_its_rate():
     assert [bucket.take() for _ in range(4)][-1] == pytest.approx(0.5)
 
 
-def test_slot_pool_queues_up_to_its_bound_and_then_refuses():
-    pool = SlotPool(num_slots=1, max_queued=1)
+def _held_slot_and_one_waiter(pool: SlotPool) -> tuple[list[int], threading.Thread]:
+    """``pool``'s slot 0 held, and a thread queued for a slot (what it got lands in the list)."""
     assert pool.acquire(timeout_s=1) == 0
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout_s=5)))
     waiter.start()
     while pool.stats()["queued"] != 1:
         threading.Event().wait(0.01)
+    return got, waiter
+
+
+def test_slot_pool_queues_up_to_its_bound_and_then_refuses():
+    pool = SlotPool(num_slots=1, max_queued=1)
+    got, waiter = _held_slot_and_one_waiter(pool)
     with pytest.raises(QueueFull):
         pool.acquire(timeout_s=5)
     pool.release(0)
@@ -48,12 +54,7 @@ def test_a_freed_slot_goes_to_the_longest_waiting_request_not_a_newcomer():
     """A request that arrived as a slot was freed, before the waiter woke, took it: under load queued requests
     were passed over again and again until their queue wait ran out (503) while later ones ran."""
     pool = SlotPool(num_slots=1, max_queued=4)
-    assert pool.acquire(timeout_s=1) == 0
-    got: list[int] = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout_s=5)))
-    waiter.start()
-    while pool.stats()["queued"] != 1:
-        threading.Event().wait(0.01)
+    got, waiter = _held_slot_and_one_waiter(pool)
     with pool._condition:  # the newcomer arrives before the waiter can wake
         pool.release(0)
         with pytest.raises(QueueTimeout):
