@@ -194,13 +194,20 @@ class FakeTrainer:
                             sampling=SamplingParams(max_tokens=8), pad_token_id=0, run_dir=self.run_dir)
 
 
-def trained_with_jitter(tmp_path: Path, jitter_seed: int, **trainer_settings: object) -> list:
+def async_config(**trainer_settings: object) -> Config:
+    """Async training of 2 prompts x 2 samples of 8 tokens, in 2-token segments, the loglinear proximal policy, and
+    ``trainer_settings`` on top."""
     config = Config()
     config.data.train_batch_size, config.data.max_response_length, config.rollout.n = 2, 8, 2
     config.rollout.segment_tokens = 2
     config.trainer.mode, config.trainer.proximal = "async", "loglinear"
     for key, value in trainer_settings.items():
         setattr(config.trainer, key, value)
+    return config
+
+
+def trained_with_jitter(tmp_path: Path, jitter_seed: int, **trainer_settings: object) -> list:
+    config = async_config(**trainer_settings)
     tmp_path.mkdir()
     fake = FakeTrainer(tmp_path, jitter_seed)
     mode = AsyncMode(config, fake.calls())
@@ -307,11 +314,7 @@ def test_between_two_syncs_validation_sees_the_current_weights_and_a_resumed_rol
     """trainer.trigger_sync_steps=2, three updates: the rollout samples with the weights of update 2. Validation
     (``current_weights``) samples with those of update 3, then the rollout has update 2's again; a checkpoint holds
     update 2's, which the resumed rollout takes back after the trainer synced the restored (update 3's) into it."""
-    config = Config()
-    config.data.train_batch_size, config.data.max_response_length, config.rollout.n = 2, 8, 2
-    config.rollout.segment_tokens = 2
-    config.trainer.mode, config.trainer.proximal, config.trainer.trigger_sync_steps = "async", "loglinear", 2
-    config.trainer.async_deterministic = True
+    config = async_config(trigger_sync_steps=2, async_deterministic=True)
     (tmp_path / "run").mkdir()
     fake = WeightsFake(tmp_path / "run", 0)
     mode = AsyncMode(config, fake.calls())
