@@ -594,6 +594,24 @@ def tokens_read_otherwise(tokenizer: PreTrainedTokenizerBase, other: PreTrainedT
     return sorted(token for token, index in tokenizer.get_vocab().items() if other_vocab.get(token) != index)
 
 
+def tokens_its_tokenizer_moves(path: str, tokenizer: PreTrainedTokenizerBase,
+                               trust_remote_code: bool = False) -> list[str]:
+    """``tokens_read_otherwise`` of ``tokenizer`` and the tokenizer saved in the local folder ``path``: the tokens a
+    model of that folder would read as others; [] where the folder (or a hub id) holds no tokenizer of its own."""
+    if not is_local_path(path) or not any((Path(path).expanduser() / name).is_file() for name in TOKENIZER_FILES):
+        return []
+    return tokens_read_otherwise(tokenizer, load_tokenizer(str(Path(path).expanduser()),
+                                                           trust_remote_code=trust_remote_code))
+
+
+def vocab_rows(path: str, trust_remote_code: bool = False, key: str = "model.path") -> int | None:
+    """The rows of the token embedding of the model at ``path`` (its text config's vocab_size); None where unsaid."""
+    config = read_model_config(path, trust_remote_code, key)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(config, "vocab_size", None)
+    return rows if isinstance(rows, int) else None
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """An AutoTokenizer padding on the left, with a pad token (its EOS token if it has none); the folders a run saves
     keep the pad token and padding side it had (``AS_LOADED``)."""

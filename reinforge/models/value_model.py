@@ -31,6 +31,8 @@ from reinforge.models.loading import (
     is_local_path,
     mismatched_weight_shapes,
     read_model_config,
+    tokens_its_tokenizer_moves,
+    vocab_rows,
 )
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -102,31 +104,18 @@ def check_critic_reads_policy_ids(path: str, policy_tokenizer, key: str = "criti
     whose tokenizer gives any of the policy's tokens another id or none, or whose embedding has fewer rows than the
     ids the policy reads and writes (its tokenizer's, within the policy's own ``policy_rows``): the critic's lookup
     failed on the first id past them, after a rollout."""
-    from reinforge.models.loading import TOKENIZER_FILES, load_tokenizer, tokens_read_otherwise
-
-    folder = Path(path).expanduser()
-    if any((folder / name).is_file() for name in TOKENIZER_FILES):
-        moved = tokens_read_otherwise(policy_tokenizer, load_tokenizer(str(folder),
-                                                                       trust_remote_code=trust_remote_code))
-        if moved:
-            raise ValueError(f"{key}={path}: the critic reads the policy's token ids, but {len(moved)} of the "
-                             f"policy's {len(policy_tokenizer.get_vocab())} tokens (first {moved[0]!r}) have another "
-                             "id or none in its tokenizer; point it at a model of the policy's tokenizer, or unset it "
-                             "to start the critic from model.path")
+    moved = tokens_its_tokenizer_moves(path, policy_tokenizer, trust_remote_code)
+    if moved:
+        raise ValueError(f"{key}={path}: the critic reads the policy's token ids, but {len(moved)} of the "
+                         f"policy's {len(policy_tokenizer.get_vocab())} tokens (first {moved[0]!r}) have another "
+                         "id or none in its tokenizer; point it at a model of the policy's tokenizer, or unset it "
+                         "to start the critic from model.path")
     ids = len(policy_tokenizer) if policy_rows is None else min(len(policy_tokenizer), policy_rows)
-    rows = vocab_rows(str(folder), trust_remote_code, key)
+    rows = vocab_rows(str(Path(path).expanduser()), trust_remote_code, key)
     if rows is not None and rows < ids:
         raise ValueError(f"{key}={path}: the critic reads the policy's token ids, {ids} of them, but its embedding "
                          f"has {rows} rows (vocab_size in its config.json); point it at a model of the policy's "
                          "vocabulary, or unset it to start the critic from model.path")
-
-
-def vocab_rows(path: str, trust_remote_code: bool = False, key: str = "model.path") -> int | None:
-    """The rows of the token embedding of the model at ``path`` (its text config's vocab_size); None where unsaid."""
-    config = read_model_config(path, trust_remote_code, key)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    rows = getattr(config, "vocab_size", None)
-    return rows if isinstance(rows, int) else None
 
 
 class ValueModel(nn.Module):

@@ -45,9 +45,9 @@ from reinforge.engine.memory_plan import ModelShape, check_model_config
 from reinforge.engine.moe import declares_experts, router_aux_loss_coef
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context, warn_if_rollout_parts_from_training
-from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
+from reinforge.models.loading import check_model_folder, is_local_path, read_model_config, vocab_rows
 from reinforge.models.reward_model import HEADS, check_reward_model
-from reinforge.models.value_model import check_critic_folder, check_critic_reads_policy_ids, vocab_rows
+from reinforge.models.value_model import check_critic_folder, check_critic_reads_policy_ids
 from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine

@@ -50,9 +50,9 @@ from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
-from reinforge.models import load_causal_lm, load_tokenizer
+from reinforge.models import load_causal_lm
 from reinforge.models.dropout import disable_dropout
-from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config, tokens_read_otherwise
+from reinforge.models.loading import tokens_its_tokenizer_moves, vocab_rows
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -249,15 +249,13 @@ def check_reference_reads_policy_ids(path: str, tokenizer: Any, trust_remote_cod
     other tokens (a tokenizer of its own that gives them other ids) or has no embedding for some of them: DPO
     compares the two models' log-probs of the same ids."""
     policy_vocab = tokenizer.get_vocab()
-    if is_local_path(path) and any((Path(path).expanduser() / name).is_file() for name in TOKENIZER_FILES):
-        moved = tokens_read_otherwise(tokenizer, load_tokenizer(path, trust_remote_code=trust_remote_code))
-        if moved:
-            raise ValueError(f"dpo.reference_path={path} has a tokenizer of its own, in which {len(moved)} of the "
-                             f"policy's {len(policy_vocab)} tokens (first {moved[0]!r}) have another id or none; DPO "
-                             "compares both models' log-probs of the same token ids, so give a reference that shares "
-                             "the policy's tokenizer (model.path's own starting weights if unset)")
-    vocab_size = getattr(read_model_config(path, trust_remote_code, "dpo.reference_path").get_text_config(),
-                         "vocab_size", None)
+    moved = tokens_its_tokenizer_moves(path, tokenizer, trust_remote_code)
+    if moved:
+        raise ValueError(f"dpo.reference_path={path} has a tokenizer of its own, in which {len(moved)} of the "
+                         f"policy's {len(policy_vocab)} tokens (first {moved[0]!r}) have another id or none; DPO "
+                         "compares both models' log-probs of the same token ids, so give a reference that shares "
+                         "the policy's tokenizer (model.path's own starting weights if unset)")
+    vocab_size = vocab_rows(path, trust_remote_code, "dpo.reference_path")
     if vocab_size is not None and max(policy_vocab.values()) >= vocab_size:
         raise ValueError(f"dpo.reference_path={path} has vocab_size={vocab_size}, fewer than the policy tokenizer's "
                          f"{max(policy_vocab.values()) + 1} token ids; give a reference that shares the policy's "
