@@ -93,7 +93,7 @@ def _plan_dp_compute(method_name: str, num_members: int, args: tuple[Any, ...], 
     for chunks in [*split_args, *split_kwargs.values()]:
         for rank, chunk in enumerate(chunks):
             if isinstance(chunk, Batch):
-                chunk.meta[PADDING_ROWS] = min(chunk_size, max(0, (rank + 1) * chunk_size - num_rows))
+                chunk.meta[PADDING_ROWS] = padding_rows_of(rank, chunk_size, num_rows)
     return CallPlan(
         [(tuple(chunks[rank] for chunks in split_args), {key: chunks[rank] for key, chunks in split_kwargs.items()})
          for rank in range(num_members)],
@@ -133,12 +133,18 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
     summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
     row_means = {name for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
     num_rows = plan.chunk_size * len(chunks) - plan.num_padding
-    counted = [min(plan.chunk_size, max(0, num_rows - rank * plan.chunk_size)) for rank in range(len(chunks))]
+    counted = [plan.chunk_size - padding_rows_of(rank, plan.chunk_size, num_rows) for rank in range(len(chunks))]
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):
             merged.meta[key] = average_metrics(values, summed, {name: counted for name in row_means})
     return merged
+
+
+def padding_rows_of(rank: int, chunk_size: int, num_rows: int) -> int:
+    """How many of member ``rank``'s ``chunk_size`` rows are padding when ``num_rows`` rows are split in chunks of
+    ``chunk_size``, in rank order (the last chunks hold the padding)."""
+    return min(chunk_size, max(0, (rank + 1) * chunk_size - num_rows))
 
 
 PADDING_ROWS = "padding_rows"
