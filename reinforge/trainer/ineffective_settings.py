@@ -240,7 +240,23 @@ def ineffective_settings(config: Config | SFTConfig) -> list[str]:
             seen.update(changed)
             lines += [f"{key}={_shown(_value(config, key))} has no effect: {rule.because}; {rule.fix}, or remove {key}"
                       for key in changed]
+    if isinstance(config, Config):
+        lines += _unread_critic(config)
     return lines
+
+
+def _unread_critic(config: Config) -> list[str]:
+    """critic.enable=true beside a built-in estimator that reads no values: the critic is built, planned and updated
+    each step (its critic/* metrics logged, as verl does), yet the advantages never read it."""
+    name = config.algorithm.adv_estimator
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    if config.critic.enable is not True or estimator is None or estimator.needs_critic \
+            or not estimator.compute.__module__.startswith("reinforge.algorithms."):
+        return []
+    return [f"critic.enable=true with algorithm.adv_estimator={name}, which reads no values: the run plans, loads and "
+            "trains a critic whose values no advantage uses (its memory and time spent for the critic/* metrics "
+            "alone); remove critic.enable to train without it, or use algorithm.adv_estimator=gae to train with its "
+            "values"]
 
 
 def warn_ineffective_settings(config: Config | SFTConfig) -> None:

@@ -200,3 +200,15 @@ def test_clip_ratios_of_a_loss_that_clips_say_nothing():
     # no dual clip at all (the API's mapping of TRL's delta=None) is what a loss without one does anyway
     assert ineffective_settings(load_config(None, ["actor.policy_loss.loss_mode=gspo",
                                                    "actor.policy_loss.clip_ratio_c=.inf"])) == []
+
+
+def test_a_critic_enabled_beside_an_estimator_that_reads_no_values_warns_that_it_is_trained_unused():
+    """As in verl, critic.enable=true trains a critic under grpo (its critic/* metrics logged), whose values no
+    advantage reads: one line names the key, what the run does with it and the fixes."""
+    lines = ineffective_settings(load_config(None, ["algorithm.adv_estimator=grpo", "critic.enable=true"]))
+    assert lines == ["critic.enable=true with algorithm.adv_estimator=grpo, which reads no values: the run plans, loads "
+                     "and trains a critic whose values no advantage uses (its memory and time spent for the critic/* "
+                     "metrics alone); remove critic.enable to train without it, or use algorithm.adv_estimator=gae to "
+                     "train with its values"]
+    assert ineffective_settings(load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])) == []
+    assert ineffective_settings(load_config(None, ["algorithm.adv_estimator=grpo", "critic.enable=false"])) == []
