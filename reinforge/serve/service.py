@@ -85,6 +85,23 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""The seeds a request may send: any 64-bit signed integer (OpenAI's and vLLM's bound)."""
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    """The request's ``seed`` as the engine's unsigned 64-bit seed: a negative one is read as its two's complement,
+    so every signed 64-bit seed names a stream of its own and the same seed always samples the same."""
+    value = body.get("seed")
+    if value is None:
+        return None
+    low, high = SEED_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(f"seed={json.dumps(value)[:80]} is invalid; send an integer from {low} to {high}",
+                           param="seed")
+    return value & ((1 << 64) - 1)
+
+
 def flag(body: dict[str, Any], key: str) -> bool:
     """A request's true/false setting (``stream``, a chat request's ``logprobs``); absent or null is false."""
     value = body.get(key)
@@ -219,7 +236,7 @@ class GenerationService:
                               # native engine's step, and with it every request the step held)
                               top_k=-1 if top_k is None or top_k >= self.vocab_size else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
-                              stop=tuple(stop), seed=_integer(body, "seed", 0))
+                              stop=tuple(stop), seed=_seed(body))
 
     @staticmethod
     def _samplings(sampling: SamplingParams, num_samples: int) -> list[SamplingParams]:

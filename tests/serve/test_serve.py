@@ -900,3 +900,33 @@ def test_a_port_another_server_holds_is_refused_before_the_model_loads(tmp_path)
         port = holder.getsockname()[1]
         with pytest.raises(ValueError, match=f"^--port {port}: 127.0.0.1:{port} cannot be listened on .*another --port"):
             serve_main([str(tmp_path / "no_model_here"), "--host", "127.0.0.1", "--port", str(port)])
+
+
+class SeedRecordingClient(TextClient):
+    """A ``TextClient`` that keeps the seed of each sample it is asked for."""
+
+    def __init__(self, tokenizer, text: str):
+        super().__init__(tokenizer, text)
+        self.seeds: list[int | None] = []
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.seeds.append(sampling.seed)
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+def test_any_signed_64_bit_seed_is_taken_and_one_past_it_is_named(tool_tokenizer):
+    """A negative seed was refused with a 400; OpenAI and vLLM take any 64-bit integer."""
+    recording = SeedRecordingClient(tool_tokenizer, "ok")
+    service = GenerationService(recording, tool_tokenizer, "scripted", codec=ChatCodec(tool_tokenizer),
+                                max_model_len=4096, eos_token_ids=(tool_tokenizer.eos_token_id,))
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for seed in (-1, -(1 << 63), (1 << 63) - 1, 0):
+        asyncio.run(service.chat(dict(chat, seed=seed), None))
+        asyncio.run(service.complete({"prompt": "x", "max_tokens": 2, "seed": seed}))
+    assert recording.seeds == [(1 << 64) - 1] * 2 + [1 << 63] * 2 + [(1 << 63) - 1] * 2 + [0] * 2
+    asyncio.run(service.chat(dict(chat, seed=-1, n=2), None))  # each choice a seed of its own, as for any seed
+    assert len(set(recording.seeds[-2:])) == 2 and all(0 <= seed < 1 << 64 for seed in recording.seeds)
+    for seed in (1 << 63, -(1 << 63) - 1, 1.5, "3", True):
+        with pytest.raises(ValueError, match=r"seed=.* is invalid; send an integer from -9223372036854775808 to "
+                                             "9223372036854775807"):
+            asyncio.run(service.chat(dict(chat, seed=seed), None))
