@@ -347,6 +347,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     # a vision-language model's plan counts the image tokens of its rows (unless data.max_image_tokens bounds them)
     plan_after_data = config.data.max_image_tokens is None and has_auto_settings(config) and \
         ModelShape.from_model_path(config.model.path).vision is not None
+    check_ray_cluster(config, placement)  # a cluster short of devices names its fix; a plan split over them would not
     if not plan_after_data:
         apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_plugin_engine(config.rollout.name)  # hf, native, or an engine a package adds through its entry point
@@ -401,6 +402,20 @@ def preflight(config: Config, placement: RolePlacement | None = None,
             config.data.max_image_tokens = most_image_tokens([train_set, val_set], processor.image_token_id)
         apply_memory_plan(config)
     return Checked(tokenizer, tools, custom_scorer, train_set, val_set)
+
+
+def check_ray_cluster(config: Config, placement: RolePlacement | None = None) -> None:
+    """On Ray, the pools of the run's roles against the cluster's devices (or CPU slots), before the memory plan: a
+    plan for more members than the cluster holds splits the host's memory over devices that are not there, and its
+    refusal would name a larger device instead of fewer trainer.devices_per_node. Joins (or starts) Ray."""
+    if config.trainer.backend != "ray":
+        return
+    from reinforge.controller.ray_backend import check_cluster_holds, connect_ray
+    from reinforge.trainer.rl_trainer import default_placement, roles_with_groups
+
+    connect_ray(config.trainer.ray_address, device=config.trainer.device)
+    placement = placement or default_placement(config)
+    check_cluster_holds([placement.pool_for(role) for role in roles_with_groups(config)])
 
 
 def _same_folder(path: str, other: str) -> bool:

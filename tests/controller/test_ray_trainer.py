@@ -131,6 +131,21 @@ def test_pools_the_cluster_cannot_hold_together_are_refused_before_any_model_loa
     assert not (tmp_path / "run" / "logs").exists()  # no member started
 
 
+def test_more_members_than_the_cluster_holds_are_refused_before_the_memory_plan_splits_the_host_over_them(
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path):
+    """8 CPU members on 8 GiB of host memory do not fit, and the cluster holds 4: the refusal names the cluster and
+    trainer.devices_per_node, not a larger device."""
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
+                                         **{"trainer.backend": "ray", "trainer.device": "cpu", "critic.enable": False,
+                                            "trainer.devices_per_node": 8, "data.train_batch_size": 4,
+                                            "trainer.host_memory_gib": 8}))
+    with pytest.raises(ValueError, match=r"^resource pool 'global' cannot be placed: the Ray cluster's nodes hold 4 "
+                                         r"CPU slots .* fewer than trainer.nnodes x trainer.devices_per_node = 8; lower "
+                                         r"trainer.devices_per_node"):
+        RLTrainer(config)
+    assert _PLACED == {} and not (tmp_path / "run").exists()
+
+
 def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
         ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_metrics, monkeypatch):
     monkeypatch.setenv("REINFORGE_DEBUG", "1")  # the exception itself is inspected, not the CLI's one-line report
