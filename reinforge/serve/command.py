@@ -122,6 +122,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="prompt + reply tokens (default: the model's context, at most 8192)")
     parser.add_argument("--max-n", type=int, default=128,
                         help="choices one request may ask for (n); a request over it is answered 400")
+    parser.add_argument("--max-logprob-entries", type=int, default=1_000_000,
+                        help="logprob entries one response may hold, n * max_tokens * (top_logprobs + 1); a request "
+                             "that could hold more is answered 400")
     parser.add_argument("--max-tokens", type=int, default=1024, help="reply tokens when a request sets no max_tokens")
     parser.add_argument("--rollout", choices=("native", "hf"), default="native")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
@@ -139,6 +142,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: allow at least 1 request at a time")
     if args.max_n < 1:
         raise ValueError(f"--max-n {args.max_n}: every request asks for at least 1 choice; give at least 1")
+    if args.max_logprob_entries < 1:
+        raise ValueError(f"--max-logprob-entries {args.max_logprob_entries}: a request with logprobs holds at least 1 "
+                         "entry; give at least 1")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: a request without max_tokens could sample nothing; give "
                          "at least 1")
@@ -204,7 +210,8 @@ def serve_main(argv: list[str]) -> int:
     service = GenerationService(client, tokenizer, args.served_model_name or args.model, codec=codec,
                                 max_model_len=max_model_len, default_max_tokens=args.max_tokens,
                                 eos_token_ids=tuple(eos_token_ids(model, tokenizer)),
-                                vocab_size=model.get_input_embeddings().weight.shape[0], max_n=args.max_n)
+                                vocab_size=model.get_input_embeddings().weight.shape[0], max_n=args.max_n,
+                                max_logprob_entries=args.max_logprob_entries)
     endpoint = OpenAIEndpoint(service, max_concurrency=args.max_concurrency)
 
     async def run() -> None:

@@ -121,6 +121,11 @@ MAX_STOP_CHARS = 1000
 MAX_TOP_LOG_PROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's chat bound, vLLM's default max_logprobs)."""
 
+DEFAULT_MAX_LOGPROB_ENTRIES = 1_000_000
+"""The most logprob entries one response may hold, n * max_tokens * (top_logprobs + 1), unless ``reinforge serve
+--max-logprob-entries`` says otherwise: n=128 choices of 8192 tokens with 20 alternatives each are 22 million entries,
+built in the server's memory (and held by the engine as it samples) for one request."""
+
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,), "suffix": ("",),
@@ -169,11 +174,15 @@ def _reads_tool_calls(tools: Any, tool_choice: Any) -> bool:
 class GenerationService:
     def __init__(self, client: TokenClient, tokenizer: Any, model_name: str, *, codec: ChatCodec | None,
                  max_model_len: int, default_max_tokens: int = 1024, eos_token_ids: tuple[int, ...] = (),
-                 vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N):
+                 vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N,
+                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES):
         if max_n < 1:
             raise ValueError(f"max_n={max_n}; allow at least 1 choice per request")
+        if max_logprob_entries < 1:
+            raise ValueError(f"max_logprob_entries={max_logprob_entries}; allow at least 1 logprob entry per response")
         self.client = client
         self.max_n = max_n
+        self.max_logprob_entries = max_logprob_entries
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.codec = codec
@@ -213,6 +222,15 @@ class GenerationService:
                                f"{MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each",
                                param="stop")
         return strings
+
+    def _check_log_prob_entries(self, num_samples: int, max_tokens: int, num_top: int) -> None:
+        """A 400 for a request whose logprobs could hold more entries than the server builds for one response."""
+        entries = num_samples * max_tokens * (num_top + 1)
+        if entries > self.max_logprob_entries:
+            raise RequestError(f"n={num_samples} choices of up to max_tokens={max_tokens} tokens with {num_top} "
+                               f"alternatives each are up to {entries} logprob entries, over this server's limit of "
+                               f"{self.max_logprob_entries} per response (reinforge serve --max-logprob-entries); "
+                               "ask for fewer choices, tokens or top_logprobs", param="logprobs")
 
     def _sampling(self, body: dict[str, Any], prompt_length: int, stop_ids: tuple[int, ...],
                   stop: list[str] | tuple[str, ...] = ()) -> SamplingParams:
@@ -384,6 +402,8 @@ class GenerationService:
             sampling = self._sampling(body, len(prompt_ids), self.codec.renderer.stop_ids, cut)
             request_id = new_id("chat")
         sampling = dataclasses.replace(sampling, num_top_log_probs=num_top)
+        if body.get("logprobs"):
+            self._check_log_prob_entries(num_samples, sampling.max_tokens, num_top)
         return ChatCall(body, session, messages, tools, reads_tool_calls, parallel is False, cut, prompt_ids,
                         continues, sampling, num_samples, request_id)
 
@@ -393,8 +413,10 @@ class GenerationService:
         whole and its replies are matched token for token)."""
         return () if isinstance(call.session, TrajectorySession) else call.sampling.stop_token_ids
 
-    def _chat_choice(self, call: ChatCall, index: int, completion: Completion) -> dict[str, Any]:
-        """The choice of one completion (its message with the content and tool calls, finish_reason, logprobs)."""
+    def _chat_choice(self, call: ChatCall, index: int, completion: Completion,
+                     log_probs: bool = True) -> dict[str, Any]:
+        """The choice of one completion (its message with the content and tool calls, finish_reason, and its logprobs
+        when the request asks for them and ``log_probs``: a stream has sent them already)."""
         token_ids = list(completion.token_ids)
         finish_reason = completion.finish_reason
         if (finish_reason == "stop" and token_ids and token_ids[-1] in self._dropped_stops(call)
@@ -412,7 +434,7 @@ class GenerationService:
             answered = dict(reply, tool_calls=reply["tool_calls"][:1])
         choice: dict[str, Any] = {"index": index, "message": openai_message(answered, tool_turn),
                                   "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
-        if call.body.get("logprobs"):
+        if log_probs and call.body.get("logprobs"):
             choice["logprobs"] = {"content": self._log_probs(completion)}
         call.replies[index] = reply
         return choice
@@ -485,7 +507,7 @@ class GenerationService:
                         yield chunk(index, {"content": choices[index].delta})
                     continue
                 completions[index] = completion
-                choice = self._chat_choice(call, index, completion)
+                choice = self._chat_choice(call, index, completion, log_probs=False)
                 message = choice["message"]
                 rest = choices[index].text.finish(message["content"] or "")
                 if rest:
@@ -519,9 +541,12 @@ class GenerationService:
             raise RequestError(f"'prompt' holds token id {wrong[0]}, outside the model's vocabulary of "
                                f"{self.vocab_size}; send ids from 0 to {self.vocab_size - 1}")
         cut = self._stop(body)
-        sampling = dataclasses.replace(self._sampling(body, len(prompt_ids), (), cut),
-                                       num_top_log_probs=self._num_text_log_probs(body) or 0)
-        return prompt_ids, sampling, self._num_samples(body), cut
+        num_top = self._num_text_log_probs(body)
+        sampling = dataclasses.replace(self._sampling(body, len(prompt_ids), (), cut), num_top_log_probs=num_top or 0)
+        num_samples = self._num_samples(body)
+        if num_top is not None:
+            self._check_log_prob_entries(num_samples, sampling.max_tokens, num_top)
+        return prompt_ids, sampling, num_samples, cut
 
     @staticmethod
     def _num_text_log_probs(body: dict[str, Any]) -> int | None:

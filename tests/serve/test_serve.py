@@ -875,6 +875,7 @@ def test_a_stopped_server_ends_the_hf_backends_call_under_way_at_its_next_token(
 @pytest.mark.parametrize("flag, value, wanted", [
     ("--max-tokens", "0", "--max-tokens 0: a request without max_tokens could sample nothing"),
     ("--max-n", "0", "--max-n 0: every request asks for at least 1 choice"),
+    ("--max-logprob-entries", "0", "--max-logprob-entries 0: a request with logprobs holds at least 1 entry"),
     ("--max-model-len", "-5", "--max-model-len -5: a prompt and its reply need at least 2 tokens"),
     ("--gpu-memory-utilization", "5", "--gpu-memory-utilization 5.0: give a fraction"),
     ("--port", "70000", "--port 70000: give a TCP port"),
@@ -930,3 +931,28 @@ def test_any_signed_64_bit_seed_is_taken_and_one_past_it_is_named(tool_tokenizer
         with pytest.raises(ValueError, match=r"seed=.* is invalid; send an integer from -9223372036854775808 to "
                                              "9223372036854775807"):
             asyncio.run(service.chat(dict(chat, seed=seed), None))
+
+
+def test_logprobs_of_more_entries_than_one_response_may_hold_are_a_400_naming_the_limit_and_its_flag(tool_tokenizer):
+    """n=128 with top_logprobs=20 over long replies built tens of millions of entries for one response."""
+    recording = CountingClient(tool_tokenizer, "ok")
+    service = GenerationService(recording, tool_tokenizer, "scripted", codec=ChatCodec(tool_tokenizer),
+                                max_model_len=4096, eos_token_ids=(tool_tokenizer.eos_token_id,),
+                                max_logprob_entries=1000)
+    chat = {"messages": [{"role": "user", "content": "x"}], "n": 8, "max_tokens": 100, "logprobs": True,
+            "top_logprobs": 2}
+    refusals = [lambda: service.chat(chat, None), lambda: service.chat_stream(chat, None),
+                lambda: service.complete({"prompt": "x", "n": 8, "max_tokens": 100, "logprobs": 2}),
+                lambda: service.chat(dict(chat, max_tokens=None), None)]  # the server's default max_tokens counts
+    for refused in refusals:
+        with pytest.raises(ValueError, match=r"^n=8 choices of up to max_tokens=\d+ tokens with 2 alternatives each "
+                                             r"are up to \d+ logprob entries, over this server's limit of 1000 per "
+                                             r"response \(reinforge serve --max-logprob-entries\)") as error:
+            result = refused()
+            if asyncio.iscoroutine(result):
+                asyncio.run(result)
+        assert error.value.param == "logprobs"
+    assert recording.calls == 0
+    # within the limit, or without logprobs, the request is answered
+    assert len(asyncio.run(service.chat(dict(chat, max_tokens=40), None))["choices"]) == 8
+    assert len(asyncio.run(service.chat(dict(chat, logprobs=False, top_logprobs=None), None))["choices"]) == 8
