@@ -101,6 +101,19 @@ def test_sampled_log_probs_are_a_transformers_forwards(family, use_triton):
             torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
 
 
+def test_bfloat16_on_the_pytorch_path_samples_generates_tokens():
+    """OLMo 2's rotary module keeps its cos/sin tables in float32 under a bf16 model: q and k rotate in float32 and
+    are rounded back before the cache (a float32 key into the bf16 cache failed)."""
+    model = family_model("olmo2", torch.bfloat16)
+    engine = make_engine(model, False)
+    batch = prompts(PROMPT_LENGTHS)
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    for prompt, (completion,) in zip(batch, engine.generate([GenerationRequest(p, greedy) for p in batch]),
+                                     strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS)
+        assert (torch.tensor(completion.log_probs) - hf_log_probs(model, prompt, completion.token_ids)).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("family", UNWINDOWED)
 def test_a_window_the_models_masks_never_apply_is_not_applied(family):
     """A ``sliding_window`` left in the config of a family whose masks never slide: sampled log-probs are still those

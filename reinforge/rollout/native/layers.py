@@ -196,12 +196,13 @@ class DenseAttention:
 
 def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x*cos + rotate_half(x)*sin on the first cos.shape[-1] dims of each head, the rest passed through, as
-    transformers computes it. x: (tokens, heads, dim); cos, sin: (tokens, rotary_dim)."""
+    transformers computes it. x: (tokens, heads, dim); cos, sin: (tokens, rotary_dim). Tables in float32 under a
+    lower-precision x (OLMo 2's rotary module keeps them so) rotate in float32, rounded to x's dtype after."""
     rotary_dim = cos.shape[-1]
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
     turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
-    out = rotated * cos[:, None, :] + turned * sin[:, None, :]
+    out = (rotated * cos[:, None, :] + turned * sin[:, None, :]).to(x.dtype)
     return out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)
 
 
