@@ -4,7 +4,8 @@
 ``collect_results`` turns the members' results (in rank order) into the group's result.
 
 DP_COMPUTE gathers member results by type:
-  - ``Batch``: concatenated in rank order with the split's padding rows removed; a meta value
+  - ``Batch``: concatenated in rank order with the split's padding rows removed (a share of padding alone is left
+    out whole, its columns unread: a member returns placeholders for padding rows, not their results); a meta value
     that is a dict of metrics on every member (``rollout_metrics``, ``mismatch_metrics``) is
     merged like the metrics below, except that the names a member lists in its meta's
     ``summed_metrics`` (totals over its rows: an agent loop's tool errors) are added up; any other
@@ -16,7 +17,9 @@ DP_COMPUTE gathers member results by type:
     largest, with ``min`` the smallest), other values come from rank 0;
 
 A member's chunk names in its meta ``padding_rows`` how many of its last rows are padding (copies of other
-rows, added when the rows do not split evenly): a worker that reports totals over its rows leaves them out.
+rows, added when the rows do not split evenly): a worker that reports totals over its rows leaves them out, and
+one whose work on a row costs or acts outside it (generation, agent tools, reward scorers) skips them, returning a
+placeholder row of the right shape for each, so that nothing runs twice for a row.
   - ``tuple``: gathered position by position with these same rules;
   - ``None`` from every member: ``None``; anything else: the list of results.
 """
@@ -126,14 +129,17 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
             raise ValueError(f"{method_name} is DP_COMPUTE but rank {rank} returned a Batch of {len(chunk)} rows "
                              f"for its {plan.chunk_size} input rows; DP_COMPUTE outputs must match inputs row for "
                              f"row so that the padding can be removed")
-    marked = [Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": plan.num_padding})
-              for chunk in chunks]
-    merged = Batch.concat_unpadded(marked)
+    num_rows = plan.chunk_size * len(chunks) - plan.num_padding
+    counted = [plan.chunk_size - padding_rows_of(rank, plan.chunk_size, num_rows) for rank in range(len(chunks))]
+    # a share of padding alone is left out whole: its placeholder rows may lack the columns that only real rows get
+    # (a scorer's extras), and are dropped anyway
+    kept = [chunk for chunk, rows in zip(chunks, counted, strict=True) if rows] or chunks[:1]
+    left = plan.num_padding - plan.chunk_size * (len(chunks) - len(kept))
+    merged = Batch.concat_unpadded([Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": left})
+                                    for chunk in kept])
     merged.meta.pop(PADDING_ROWS, None)
     summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
     row_means = {name for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
-    num_rows = plan.chunk_size * len(chunks) - plan.num_padding
-    counted = [plan.chunk_size - padding_rows_of(rank, plan.chunk_size, num_rows) for rank in range(len(chunks))]
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):

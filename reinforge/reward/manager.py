@@ -159,10 +159,15 @@ class RewardManager:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def score(self, batch: Batch, raise_when_all_failed: bool = True) -> RewardOutput:
+    def score(self, batch: Batch, raise_when_all_failed: bool = True, padding_rows: int = 0) -> RewardOutput:
         """Score every sample of ``batch``; where every sample failed, raise ``ScorerFailure`` (or, with
         ``raise_when_all_failed=False``, give each the fallback score, as a caller that scores a batch in parts
         decides over the whole batch: ``failures`` and ``failure_report``).
+
+        ``padding_rows``: how many of the last rows are padding (copies of other rows that a split over several
+        workers adds, dropped after gathering). No scorer is called for them (a scorer with side effects, or a paid
+        one, would run twice for the row copied) and no count or check covers them; each gets a placeholder of the
+        output's shape (``with_padding_rows``).
 
         Needs tensors ``responses`` (B, T) right-padded token ids and ``response_mask`` (B, T),
         and non-tensors ``ground_truth``, ``data_source`` (unless a custom function scores
@@ -172,6 +177,12 @@ class RewardManager:
         tokens have response_mask 0. ``meta["trainer_state"]`` (global_step, max_steps) reaches
         TRL-kind functions as ``trainer_state``.
         """
+        if not 0 <= padding_rows <= len(batch):
+            raise ValueError(f"padding_rows={padding_rows} of a batch of {len(batch)} rows; it counts the batch's last "
+                             "rows, so it must be between 0 and the batch's rows")
+        if padding_rows:
+            real = batch.index(slice(0, len(batch) - padding_rows))
+            return with_padding_rows(self.score(real, raise_when_all_failed), padding_rows)
         responses, response_mask = batch["responses"].cpu(), batch["response_mask"].cpu().bool()
         width = responses.shape[1]
         in_response = (batch["attention_mask"][:, -width:].cpu().bool() if "attention_mask" in batch
@@ -404,6 +415,21 @@ class RewardManager:
                            "no extras: a score that never varies teaches nothing; check the scorer and the ground "
                            "truths. Warned once.", self._constant_batches, value,
                            data_sources[0])
+
+
+def with_padding_rows(output: RewardOutput, num_rows: int) -> RewardOutput:
+    """``output`` with ``num_rows`` placeholder rows after its own: score 0, no extras (None), no function score
+    (NaN), no failure; its metrics and failure report, which count its own rows alone, unchanged."""
+    width = output.token_level_scores.shape[1]
+    token_level_scores = torch.cat([output.token_level_scores,
+                                    output.token_level_scores.new_zeros((num_rows, width))])
+    return RewardOutput(
+        token_level_scores=token_level_scores, scores=torch.cat([output.scores, output.scores.new_zeros(num_rows)]),
+        extras={key: [*values, *[None] * num_rows] for key, values in output.extras.items()},
+        metrics=dict(output.metrics),
+        function_scores={key: [*values, *[math.nan] * num_rows] for key, values in output.function_scores.items()},
+        logged_metrics={key: [*values, *[math.nan] * num_rows] for key, values in output.logged_metrics.items()},
+        failures=[*output.failures, *[None] * num_rows], failure_report=dict(output.failure_report))
 
 
 def all_failed_message(report: dict[str, str], num_samples: int, num_timeouts: int, num_out_of_memory: int) -> str:

@@ -12,7 +12,7 @@ from reinforge.controller import Dispatch, Worker, register
 from reinforge.controller.dispatch import PADDING_ROWS, ROW_MEANS, SUMMED_METRICS
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
-from reinforge.reward.manager import RewardManager, RewardOutput, ScorerFailure, all_failed_message
+from reinforge.reward.manager import RewardManager, ScorerFailure, all_failed_message
 
 REWARD_TOTALS = ("reward/errors", "reward/timeouts", "reward/memory_exceeded", "reward/overlong/count")
 """The reward metrics that count samples: several members' counts add up."""
@@ -39,20 +39,21 @@ class RewardWorker(Worker):
     def score(self, batch: Batch) -> Batch:
         """token_level_scores (B, R) and one ``reward_<key>`` column per scorer extra (acc, pred, ...).
 
-        The counts (``REWARD_TOTALS``) add up over the members, and leave out the chunk's padding rows (``PADDING_ROWS``,
-        copies of other members' rows, which the controller drops): a chunk of padding alone counts nothing.
+        The counts (``REWARD_TOTALS``) add up over the members. The chunk's padding rows (``PADDING_ROWS``, copies of
+        other members' rows, which the controller drops) are not scored: no scorer runs twice for a row, and no count
+        covers them (a chunk of padding alone counts nothing).
 
         Alone, a member raises ``ScorerFailure`` where every row failed. One of several members decides nothing on its
         share of the rows: it reports each row's failure (``SCORER_FAILURES``), and the caller raises where every row
         of the gathered batch failed (``raise_if_every_row_failed``)."""
         alone = self.world_size == 1
-        output = self.manager.score(batch, raise_when_all_failed=alone)
+        output = self.manager.score(batch, raise_when_all_failed=alone,
+                                    padding_rows=int(batch.meta.get(PADDING_ROWS, 0)))
         scored = output.to_batch()
         if not alone:
             scored[SCORER_FAILURES] = np.array(output.failures, dtype=object)
             scored.meta[SCORER_FAILURES] = dict(output.failure_report)
-        padding = int(batch.meta.get(PADDING_ROWS, 0))
-        scored.meta["reward_metrics"] = counted_rows(output, len(batch) - padding) if padding else dict(output.metrics)
+        scored.meta["reward_metrics"] = dict(output.metrics)
         scored.meta[SUMMED_METRICS] = tuple(name for name in scored.meta["reward_metrics"] if name in REWARD_TOTALS)
         scored.meta[ROW_MEANS] = tuple(name for name in scored.meta["reward_metrics"] if name in REWARD_FRACTIONS)
         return scored
@@ -70,19 +71,3 @@ def raise_if_every_row_failed(scored: Batch) -> Batch:
         raise ScorerFailure(all_failed_message(report, len(failures), failures.count("timeout"),
                                                failures.count("memory")))
     return scored
-
-
-def counted_rows(output: RewardOutput, rows: int) -> dict[str, float]:
-    """``output.metrics`` over its first ``rows`` samples alone (the overlong fraction left out where none)."""
-    failures = output.failures[:rows]
-    metrics = {**output.metrics, "reward/errors": float(failures.count("error")),
-               "reward/timeouts": float(failures.count("timeout")),
-               "reward/memory_exceeded": float(failures.count("memory"))}
-    if "reward/overlong/count" in metrics:
-        shaped = sum(float(penalty) < 0 for penalty in output.extras.get("overlong_penalty", [])[:rows])
-        metrics["reward/overlong/count"] = float(shaped)
-        if rows:
-            metrics["reward/overlong/fraction"] = shaped / rows
-        else:
-            metrics.pop("reward/overlong/fraction", None)
-    return metrics

@@ -25,6 +25,18 @@ def test_dp_plan_needs_a_batch_and_equal_rows():
         plan_member_calls(DP, "f", 2, (a,), {"other": b})
 
 
+
+def test_dp_gather_leaves_out_a_share_of_padding_alone_whatever_its_columns():
+    """Five rows on four members: the last member's share is padding alone; its placeholder rows, which lack a column
+    only real rows get (a scorer's extras), are dropped without being concatenated."""
+    batch = Batch.from_dict({"x": torch.arange(5)})
+    plan = plan_member_calls(DP, "f", 4, (batch,), {})
+    results = [Batch.from_dict({"y": chunk["x"] * 10}, {"acc": [True] * len(chunk)})
+               for (chunk,), _ in plan.member_arguments[:3]]
+    results.append(Batch.from_dict({"y": torch.zeros(2, dtype=torch.long)}))
+    merged = collect_results(DP, plan, "f", results)
+    assert merged["y"].tolist() == [0, 10, 20, 30, 40] and merged["acc"].tolist() == [True] * 5
+
 def test_dp_gather_of_tuples_concatenates_batches_and_averages_metrics():
     batch = Batch.from_dict({"x": torch.arange(3)})
     plan = plan_member_calls(DP, "f", 2, (batch,), {})

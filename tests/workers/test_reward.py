@@ -101,3 +101,38 @@ def test_a_batch_where_every_row_failed_stops_with_the_one_member_line(tmp_path,
         assert isinstance(one.__cause__, ScorerFailure) and isinstance(two, ScorerFailure)
         assert str(two) == str(one.__cause__)
         assert f"failed on all {len(texts)} samples" in str(two) and "raised RuntimeError: scorer exploded" in str(two)
+
+
+@pytest.mark.parametrize(("rows", "members"), [(3, 2), (4, 3)])
+def test_a_members_padding_rows_call_no_scorer(monkeypatch, rows, members):
+    """Rows that do not split evenly (the last member's share padding alone, or ending with it): each row reaches
+    the scorers once, a sample's one and a batch's one, as on one member; a scorer with side effects (a sandbox, a
+    paid endpoint) does not run twice for the row a padding row copies."""
+    tokenizer = build_byte_tokenizer()
+    monkeypatch.setattr(reward, "load_tokenizer", lambda *args, **kwargs: tokenizer)
+    calls: list[str] = []
+
+    def per_sample(solution_str, ground_truth, extra_info=None):
+        calls.append(solution_str)
+        return {"score": float(solution_str == ground_truth), "acc": solution_str == ground_truth}
+
+    def per_batch(completions, **kwargs):
+        calls.extend(completions)
+        return [1.0] * len(completions)
+
+    config = Config()
+    config.reward = RewardConfig(num_workers=0)
+    texts = [str(row) for row in range(rows)]
+    batch = make_batch(tokenizer, texts, ["0"] * rows, ["x"] * rows)
+    for group_members in (1, members):
+        calls.clear()
+        group = WorkerGroup(reward.RewardWorker, config, [per_sample, per_batch], num_members=group_members,
+                            timeout_s=30)
+        try:
+            scored = group.score(batch)
+        finally:
+            group.shutdown()
+        assert sorted(calls) == sorted(texts * 2)
+        assert scored["token_level_scores"].sum(-1).tolist() == [2.0] + [1.0] * (rows - 1)
+        assert scored["rewards/per_sample"].tolist() == [1.0] + [0.0] * (rows - 1)
+        assert scored["reward_acc"].tolist() == [True] + [False] * (rows - 1)
