@@ -78,6 +78,11 @@ class SlotPool:
             self._free.append(slot)
             self._condition.notify_all()  # only the first in line takes it; the others wait on
 
+    def full(self) -> bool:
+        """Whether ``acquire`` would raise QueueFull now: every slot busy, or waited for, and the queue full."""
+        with self._condition:
+            return (not self._free or bool(self._waiting)) and len(self._waiting) >= self._max_queued
+
     def stats(self) -> dict[str, int]:
         with self._condition:
             return {"free_slots": len(self._free), "queued": len(self._waiting)}

@@ -98,6 +98,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(413, {"detail": f"request of {length} bytes is over the limit of "
                                          f"{sandbox.settings.max_request_bytes}"})
             return
+        refusal = sandbox.admit()
+        if refusal is not None:  # before the body is read: a flood of large bodies is refused unread
+            self.close_connection = True  # the unread body must not be taken for the next request
+            self._answer(*refusal)
+            return
         try:
             request = RunCodeRequest.from_json(json.loads(self.rfile.read(length) or b"null"))
             request.decoded_files()
@@ -111,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(400, {"detail": "the body is not JSON (or is nested too deeply, or holds a number of over "
                                          "4300 digits)"})
             return
-        code, body, retry_after_s = sandbox.handle(request)
+        code, body, retry_after_s = sandbox.run(request)
         self._answer(code, body, retry_after_s)
 
 
@@ -169,17 +174,33 @@ class SandboxServer:
         host, port = self._http.server_address[:2]
         return f"http://{host}:{port}"
 
-    def handle(self, request: RunCodeRequest) -> tuple[int, dict[str, Any], float | None]:
-        """(HTTP code, body, Retry-After seconds) for a valid request."""
+    def admit(self) -> tuple[int, dict[str, Any], float] | None:
+        """The refusal (HTTP code, body, Retry-After seconds) of a request the server cannot take now, judged from its
+        headers alone: no token left in the rate limit (429), or every slot busy and the queue full (503); None to
+        read its body and run it."""
         if self.bucket is not None:
             wait_s = self.bucket.take()
             if wait_s > 0:
                 return 429, {"detail": f"rate limit of {self.settings.rate_per_s}/s reached; retry later"}, wait_s
+        if self.slots.full():
+            return self._queue_full()
+        return None
+
+    def _queue_full(self) -> tuple[int, dict[str, Any], float]:
+        return 503, {"detail": f"all {self.settings.num_slots} slots busy and {self.settings.max_queued} requests "
+                               "queued; retry later"}, 1.0
+
+    def handle(self, request: RunCodeRequest) -> tuple[int, dict[str, Any], float | None]:
+        """(HTTP code, body, Retry-After seconds) for a valid request: ``admit``, then ``run``."""
+        refusal = self.admit()
+        return refusal if refusal is not None else self.run(request)
+
+    def run(self, request: RunCodeRequest) -> tuple[int, dict[str, Any], float | None]:
+        """(HTTP code, body, Retry-After seconds) for a valid request ``admit`` let in: a slot, then the program."""
         try:
             slot = self.slots.acquire(self.settings.queue_timeout_s)
         except QueueFull:
-            return 503, {"detail": f"all {self.settings.num_slots} slots busy and {self.settings.max_queued} "
-                                   "requests queued; retry later"}, 1.0
+            return self._queue_full()
         except QueueTimeout:
             return 503, {"detail": f"no slot free within {self.settings.queue_timeout_s}s; retry later"}, 1.0
         try:

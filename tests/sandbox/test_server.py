@@ -163,6 +163,25 @@ def test_rate_limit_answers_429_with_retry_after(start_server):
     assert codes[2][2]["Retry-After"] in ("1", "2") and "rate limit" in codes[2][1]["detail"]
 
 
+def test_a_request_over_the_rate_limit_or_past_a_full_queue_is_refused_before_its_body_is_read(start_server):
+    """Bodies were read in full (up to 16 MiB each) before the rate limit and the queue were looked at."""
+    headers_only = b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+    limited = start_server(isolation="none", rate_per_s=0.01, burst=1)
+    assert limited.bucket.take() == 0.0  # the one token goes
+    answer = _raw(limited.url, headers_only, timeout_s=3)  # the body never comes: only a refusal unread answers
+    assert answer.startswith(b"HTTP/1.1 429") and b"Retry-After" in answer and b"rate limit" in answer, answer
+    busy = start_server(isolation="none", max_concurrent=1, max_queued=1, rate_per_s=0)
+    slot = busy.slots.acquire(1.0)
+    waiter = threading.Thread(target=lambda: busy.slots.release(busy.slots.acquire(5.0)))
+    waiter.start()
+    while busy.slots.stats() != {"free_slots": 0, "queued": 1}:
+        time.sleep(0.01)
+    answer = _raw(busy.url, headers_only, timeout_s=3)
+    busy.slots.release(slot)
+    waiter.join()
+    assert answer.startswith(b"HTTP/1.1 503") and b"queued" in answer, answer
+
+
 def test_full_queue_answers_503_at_once(start_server):
     server = start_server(max_concurrent=1, max_queued=1)
     body = json.dumps({"code": "import time; time.sleep(1.5)", "language": "python"}).encode()
