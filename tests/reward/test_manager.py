@@ -606,3 +606,27 @@ def test_a_batch_calls_scores_are_numbers_not_strings_that_read_as_numbers():
     assert batch_scores([np.float32(0.5), np.array(1.0), True, None], "f")[:3] == [0.5, 1.0, 1.0]
     with pytest.raises(TypeError, match="reward function f returned a str in its list; return one float"):
         batch_scores([1.0, "42"], "f")  # an extracted answer returned in place of its score
+
+
+def test_padding_rows_are_not_scored_counted_or_checked(byte_tokenizer):
+    """The last ``padding_rows`` rows (copies a split over several workers adds) reach no scorer, count in no metric,
+    and cannot make a batch "all failed"; each gets a placeholder row (score 0, no extras, no failure)."""
+    calls: list[str] = []
+
+    def scorer(solution_str, ground_truth, extra_info=None):
+        calls.append(solution_str)
+        if solution_str == "raise":
+            raise RuntimeError("scorer exploded")
+        return {"score": 1.0, "acc": True}
+
+    manager = RewardManager(RewardConfig(num_workers=0), byte_tokenizer, functions=[scorer])
+    batch = make_batch(byte_tokenizer, ["ok", "raise", "raise"], ["1"] * 3, ["x"] * 3)
+    output = manager.score(batch, padding_rows=1)
+    assert calls == ["ok", "raise"] and output.failures == [None, "error", None]
+    assert output.metrics["reward/errors"] == 1 and output.extras == {"acc": [True, None, None]}
+    assert output.token_level_scores.shape == (3, 12) and output.scores.tolist() == [1.0, 0.0, 0.0]
+    assert np.isnan(output.function_scores["rewards/scorer"][1:]).all()
+    with pytest.raises(ScorerFailure, match="failed on all 1 samples"):
+        manager.score(batch.index([1, 0, 0]), padding_rows=2)
+    with pytest.raises(ValueError, match="padding_rows=4 of a batch of 3 rows"):
+        manager.score(batch, padding_rows=4)
