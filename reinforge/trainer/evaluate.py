@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 from reinforge.config import Config, load_config
 from reinforge.config.loader import ConfigError
 from reinforge.data.files import GLOB_CHARACTERS
+
+logger = logging.getLogger(__name__)
 
 
 def evaluate(config: Config) -> dict[str, float]:
@@ -58,12 +61,80 @@ def evaluate(config: Config) -> dict[str, float]:
     return run_validation(loader, val.n, sampling, config.trainer.seed + 7, actor.generate, reward.score)
 
 
+def checkpoint_to_evaluate(path: str) -> str:
+    """``path``, or for a run folder (``checkpoints/`` and no config.json) its newest checkpoint that is complete, as
+    resume chooses (its files of the sizes its manifest lists, its ``hf/`` model whole), naming in one warning the
+    newer ones it skips; a checkpoint folder given itself is refused in one line where it is incomplete."""
+    from reinforge.trainer.checkpoint import MANIFEST_FILE, CheckpointManager
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir() or (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
+        return path
+    if (folder / MANIFEST_FILE).is_file() or (folder / "trainer_state.pt").is_file():  # a checkpoint folder
+        problem = _checkpoint_problem(folder)
+        if problem is not None:
+            raise ConfigError(f"reinforge eval: checkpoint {path} is incomplete: {problem}; give another checkpoint, "
+                              f"or the run folder {folder.parent.parent} for its newest complete one")
+        return path
+    if not (folder / "checkpoints").is_dir():
+        return path
+    skipped = []
+    for checkpoint in CheckpointManager(folder, keep_last=1).step_folders():
+        problem = _checkpoint_problem(checkpoint)
+        if problem is None:
+            if skipped:
+                logger.warning("evaluating %s, the newest complete checkpoint of %s; skipped %s", checkpoint.name,
+                               path, "; ".join(skipped))
+            return str(checkpoint)
+        skipped.append(f"{checkpoint.name}: {problem}")
+    if skipped:
+        raise ConfigError(f"reinforge eval: run folder {path} has no complete checkpoint ({'; '.join(skipped)}); give "
+                          "an HF model folder, or a run folder whose checkpoint was written whole")
+    return path
+
+
+def _checkpoint_problem(folder: Path) -> str | None:
+    """Why checkpoint ``folder`` cannot be evaluated: its files against its manifest (sizes), then its ``hf/``
+    model (``check_model_folder``: no weights, a cut-off safetensors file); None where it can."""
+    from reinforge.models.loading import check_model_folder
+    from reinforge.trainer.checkpoint import checkpoint_problem
+
+    problem = checkpoint_problem(folder, hashes=False)
+    if problem is not None:
+        return problem
+    try:
+        check_model_folder(folder / "hf", "the model")
+    except FileNotFoundError as error:
+        return str(error)
+    return None
+
+
+def check_weights_fit(path: str, trust_remote_code: bool) -> None:
+    """A local model folder's weights against its config.json, before any data or weight loads: a folder
+    ``check_model_folder`` refuses (half-written, cut off), or whose safetensors weights have other shapes than its
+    config.json builds, is one line (train refuses the same once its model loads)."""
+    from reinforge.models.loading import check_model_folder, is_local_path, mismatched_weight_shapes
+    from reinforge.models.random_weights import random_weights_seed
+
+    if not is_local_path(path) or random_weights_seed(path) is not None:
+        return
+    try:
+        check_model_folder(path, "the model")
+    except FileNotFoundError as error:
+        raise ConfigError(f"reinforge eval: {error}") from None
+    mismatch = mismatched_weight_shapes(path, trust_remote_code)
+    if mismatch is not None:
+        raise ConfigError(f"reinforge eval: {path}: its weights do not fit its config.json ({mismatch}); fix "
+                          "config.json's sizes to the weights', or give the folder they came with")
+
+
 def model_folder(path: str) -> str:
-    """The HF folder to evaluate for ``path``: itself, a checkpoint's ``hf/``, or a run folder's newest sealed
-    checkpoint's, as ``reinforge serve`` reads them; a LoRA adapter folder is refused (its checkpoint's ``hf/``
-    holds the merged model)."""
+    """The HF folder to evaluate for ``path``: itself, a checkpoint's ``hf/``, or a run folder's newest complete
+    checkpoint's (``checkpoint_to_evaluate``); a LoRA adapter folder is refused (its checkpoint's ``hf/`` holds the
+    merged model)."""
     from reinforge.serve.command import resolve_model_folder
 
+    path = checkpoint_to_evaluate(path)
     try:
         folder, adapter = resolve_model_folder(path)
     except (FileNotFoundError, ValueError) as error:
@@ -105,6 +176,7 @@ def eval_main(argv: list[str]) -> int:
                           "give an HF model folder, e.g. RUN/checkpoints/step_N/hf")
     config = load_config(None, [f"model.path={model_folder(args.model)}", f"data.val_files={json.dumps(files)}",
                                 *overrides])
+    check_weights_fit(config.model.path, config.model.trust_remote_code)  # before the data and the model load
     metrics = evaluate(config)
     print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0 if metrics else 1

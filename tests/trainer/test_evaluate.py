@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from reinforge.config import load_config
 from reinforge.trainer.evaluate import eval_main, evaluate, is_override
@@ -42,10 +43,65 @@ def test_eval_names_a_missing_file_or_model_folder_as_given_on_its_command_line(
     assert not is_override(f"{partitioned}/*.parquet")
 
 
+def sealed_checkpoint(run: Path, step: int, model: Path) -> Path:
+    """RUN/checkpoints/step_N with ``model`` as its hf/ and a manifest of its files, as a run writes it."""
+    import shutil
+
+    import torch
+
+    from reinforge.trainer.checkpoint import seal
+
+    checkpoint = run / "checkpoints" / f"step_{step:06d}"
+    shutil.copytree(model, checkpoint / "hf")
+    torch.save({"step": step}, checkpoint / "trainer_state.pt")
+    seal(checkpoint, step)
+    return checkpoint
+
+
+def test_eval_of_a_run_folder_takes_its_newest_complete_checkpoint_and_refuses_a_damaged_one_before_loading(
+        tiny_model_dir, arithmetic_data_dir, tmp_path, caplog, monkeypatch):
+    """The newest checkpoint was read whatever its state: one cut off mid-copy failed once the data and the memory
+    plan were done, where resume and export take the newest complete one; weights of other shapes than the config
+    failed as the model loaded."""
+    import logging
+
+    import pytest
+
+    from reinforge.config import ConfigError
+    from reinforge.trainer import evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "evaluate", lambda config: {"model": config.model.path})
+    data = str(arithmetic_data_dir / "test.parquet")
+    run = tmp_path / "run"
+    older = sealed_checkpoint(run, 1, tiny_model_dir)
+    newest = sealed_checkpoint(run, 2, tiny_model_dir)
+    weights = newest / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut off after its manifest was written
+    with caplog.at_level(logging.WARNING, logger="reinforge.trainer.evaluate"):
+        assert eval_main([str(run), data]) == 0
+    assert [record.getMessage() for record in caplog.records] == [
+        f"evaluating step_000001, the newest complete checkpoint of {run}; skipped step_000002: hf/model.safetensors "
+        f"has 1000 bytes, the manifest says {(older / 'hf' / 'model.safetensors').stat().st_size} (truncated or "
+        "changed)"]
+    with pytest.raises(ConfigError, match=r"^reinforge eval: checkpoint .*step_000002 is incomplete: "
+                                          r"hf/model.safetensors has 1000 bytes, .*; give another checkpoint, or the "
+                                          r"run folder .*run for its newest complete one$"):
+        eval_main([str(newest), data])
+    with pytest.raises(ConfigError, match=r"^reinforge eval: model folder .*step_000002/hf is half-written"):
+        eval_main([str(newest / "hf"), data])
+    (older / "hf" / "config.json").write_text((older / "hf" / "config.json").read_text().replace(
+        '"intermediate_size": ', '"intermediate_size": 1'))  # shapes the weights do not have
+    with pytest.raises(ConfigError, match=r"^reinforge eval: .*step_000001/hf: its weights do not fit its "
+                                          r"config.json \(.* in the weights, .* in the model config.json builds"):
+        eval_main([str(older / "hf"), data])
+    with pytest.raises(ConfigError, match=r"^reinforge eval: run folder .*run has no complete checkpoint "
+                                          r"\(step_000002: .*; step_000001: .*\)"):
+        eval_main([str(run), data])
+
+
 def test_eval_reads_a_checkpoint_folder_or_a_run_folder_as_serve_does(tiny_model_dir, arithmetic_data_dir, tmp_path,
                                                                       capsys):
     """A checkpoint folder was refused as a tokenizer folder without tokenizer files; a run folder the same."""
-    import shutil
 
     import pytest
 
@@ -53,9 +109,7 @@ def test_eval_reads_a_checkpoint_folder_or_a_run_folder_as_serve_does(tiny_model
     from reinforge.trainer.evaluate import model_folder
 
     run = tmp_path / "run"
-    checkpoint = run / "checkpoints" / "step_000003"
-    shutil.copytree(tiny_model_dir, checkpoint / "hf")
-    (checkpoint / "manifest.json").write_text("{}")
+    checkpoint = sealed_checkpoint(run, 3, tiny_model_dir)
     assert model_folder(str(checkpoint)) == str(checkpoint / "hf")
     assert model_folder(str(run)) == str(checkpoint / "hf")
     assert eval_main([str(run), str(arithmetic_data_dir / "test.parquet"), "data.max_response_length=4",
