@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 _SERVERS = itertools.count()
 """Numbers the servers of this process, so each has groups of its own."""
 
@@ -39,7 +40,7 @@ class _Hierarchy:
 
 def _own_path(controller: str) -> str | None:
     """This process's cgroup path for ``controller`` ('' for cgroup v2's unified line)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in PROC_SELF_CGROUP.read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
             return path
@@ -64,6 +65,25 @@ def _hierarchies() -> list[_Hierarchy] | None:
         own = _under(CGROUP_ROOT, _own_path(""))
         return [_Hierarchy(own, ("memory.max", "memory.swap.max"), "memory.events"),
                 _Hierarchy(own, ("pids.max",), "")]
+    return None
+
+
+def _v2_why_not(own: Path) -> str | None:
+    """Why cgroup v2 lets the server make no slot groups with memory and pids limits below its group ``own``
+    (None: it does). Two rules of the kernel's: a group hands down only the controllers its parent gave it, and a group
+    other than the root that holds processes (the server itself) hands down none ("no internal processes"). Read
+    before anything is written, so a host without delegation falls back at once, with the reason."""
+    given = set((own / "cgroup.controllers").read_text().split())
+    if not {"memory", "pids"} <= given:
+        return (f"cgroup v2 gives the server's group {own} the controllers {' '.join(sorted(given)) or '(none)'}, "
+                "not memory and pids (no delegation)")
+    handed_down = set((own / "cgroup.subtree_control").read_text().split())
+    is_root = not (own / "cgroup.type").exists()  # the root group alone has no type (a namespace's root has one)
+    if not is_root and not {"memory", "pids"} <= handed_down and (own / "cgroup.procs").read_text().split():
+        return (f"the server's cgroup v2 group {own} holds processes (the server's own), and a group that does cannot "
+                "hand memory and pids down to groups below it; start the server in a group of its own whose parent "
+                "delegates memory and pids (systemd-run --scope -p Delegate=yes, or a container's own cgroup "
+                "namespace) for per-sandbox limits")
     return None
 
 
@@ -113,6 +133,9 @@ class SlotCgroups:
             hierarchies = _hierarchies()
             if hierarchies is None:
                 return None, f"no cgroup hierarchy with the memory and pids controllers under {CGROUP_ROOT}"
+            why_not = _v2_why_not(hierarchies[0].folder) if hierarchies[0].folder == hierarchies[1].folder else None
+            if why_not is not None:
+                return None, why_not
         except OSError as error:
             return None, f"cannot read the cgroup hierarchies: {error}"
         try:
