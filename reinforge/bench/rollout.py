@@ -204,6 +204,9 @@ def bench_main(argv: list[str]) -> int:
         parser.error(f"--model {args.model} is no model shape; give one of {', '.join(SHAPES)}")
     if args.context_sweep and args.profile:
         parser.error("--context-sweep and --profile are two runs of their own; give one of them")
+    if args.context_sweep and args.gen_len is not None and args.gen_len < 2:
+        parser.error(f"--gen-len {args.gen_len} with --context-sweep decodes no step (a sequence's first token is its "
+                     "prefill's); give --gen-len 2 or more")
     if args.kv_cache_dtype != "auto" and not args.context_sweep:
         parser.error(f"--kv-cache-dtype {args.kv_cache_dtype} applies to --context-sweep; add it or drop the flag")
     if args.profile and (args.cpu or not torch.cuda.is_available()):

@@ -115,7 +115,7 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
     kv_cache_dtype = engine_kwargs.get("kv_cache_dtype", "auto")
     floor = rollout_floor(shape, [prompt_len] * len(lengths), lengths, kv_cache_dtype, value_bytes, bytes_per_s)
     return {"num_sequences": num_sequences, "prompt_len": prompt_len, "gen_len": gen_len, "time_s": elapsed,
-            "floor_s": floor.seconds, "over_floor": elapsed / floor.seconds, "bandwidth_tbps": bytes_per_s / 1e12,
+            "floor_s": floor.seconds, "over_floor": elapsed / floor.seconds if floor.seconds else None, "bandwidth_tbps": bytes_per_s / 1e12,
             "kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_token": kv_token_bytes(shape, kv_cache_dtype, value_bytes),
             "buckets": bucket_steps(steps, shape, num_sequences, kv_cache_dtype, value_bytes, bytes_per_s)}
 
@@ -123,7 +123,7 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
 def print_sweep(result: dict) -> None:
     print(f"decode step against context: {result['num_sequences']} sequences, prompt {result['prompt_len']} + "
           f"{result['gen_len']} tokens, {result['time_s']:.1f} s against a floor of {result['floor_s']:.1f} s "
-          f"({result['over_floor']:.2f}x) at {result['bandwidth_tbps']:g} TB/s, KV cache {result['kv_cache_dtype']} "
+          f"({result['over_floor'] or 0:.2f}x) at {result['bandwidth_tbps']:g} TB/s, KV cache {result['kv_cache_dtype']} "
           f"({result['kv_bytes_per_token']:,.0f} bytes a token)")
     print("| context up to | steps | mean step ms | floor ms | step / floor |")
     print("|---|---|---|---|---|")

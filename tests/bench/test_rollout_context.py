@@ -70,3 +70,17 @@ def test_the_sweep_warms_up_past_the_long_context_threshold_before_it_times(monk
     assert len(short) == len(long) == len(timed)
     assert all(length > 32 and tokens == 8 for length, tokens in long)
     assert all(tokens == 40 for _, tokens in timed)
+
+
+def test_a_sweep_of_no_decode_step_is_refused_and_its_floor_of_zero_divides_nothing(capsys):
+    from reinforge.bench.rollout import build_model
+    from reinforge.bench.rollout_context import context_sweep
+
+    with pytest.raises(SystemExit):
+        main(["bench", "rollout", "--cpu", "--context-sweep", "--gen-len", "1"])
+    assert "--gen-len 1 with --context-sweep decodes no step" in capsys.readouterr().err
+    import torch
+
+    model = build_model(TINY, torch.float32, torch.device("cpu"))
+    sweep = context_sweep(model, [[1, 2, 3]], 1, 1, dict(eos_token_ids=[], max_model_len=32, max_num_seqs=2))
+    assert sweep["floor_s"] == 0.0 and sweep["over_floor"] is None and sweep["buckets"] == []
