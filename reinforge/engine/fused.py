@@ -323,6 +323,11 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
                 f"ones: {why}; no fused kernels, {compiled}, expect ~2-3x slower updates than a family of the table "
                 "(padding is computed, prompts are not shared)")
     if device.type != "cuda":
+        if spec is None:  # the path it takes on CUDA too: say why
+            return (f"packed training of {model_type}: transformers modules for {model_type} with reinforge's varlen "
+                    f"attention ({_outside_table_why(model, model_type)}: no fused kernels on CUDA either, expect "
+                    f"~1.5-2x slower updates there than a family of the table; on {device.type} every family runs "
+                    "exact and unfused)")
         return (f"packed training of {model_type}: transformers' modules with reinforge's varlen attention "
                 f"(the fused kernels run on CUDA only; on {device.type} the modules are exact and unfused)")
     if spec is not None:
@@ -339,12 +344,17 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
         return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, "
                 f"{attention}{windows}, compiled decoder layers){tower}")
     compiled = "decoder layers compiled" if _compilable(model) else "decoder layers eager"
-    why = (f"its code ships with the model (model.trust_remote_code), not transformers' {model_type} modules "
-           "reinforge.models.architectures describes" if runs_code_it_ships(model)
-           else f"{model_type} is not in reinforge.models.architectures")
     return (f"packed training of {model_type}: transformers modules for {model_type}: no fused kernels "
-            f"({why}), {compiled}, expect ~1.5-2x slower updates than a family of the table; the varlen attention "
-            "keeps it exact")
+            f"({_outside_table_why(model, model_type)}), {compiled}, expect ~1.5-2x slower updates than a family of "
+            "the table; the varlen attention keeps it exact")
+
+
+def _outside_table_why(model: nn.Module, model_type: str) -> str:
+    """Why ``model`` trains through transformers' modules rather than the table's fast path."""
+    if runs_code_it_ships(model):
+        return (f"its code ships with the model (model.trust_remote_code), not transformers' {model_type} modules "
+                "reinforge.models.architectures describes")
+    return f"{model_type} is not in reinforge.models.architectures"
 
 
 _DESCRIBED: set[tuple[str, str]] = set()

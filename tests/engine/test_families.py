@@ -321,6 +321,8 @@ def test_the_training_path_line_names_the_path_why_and_the_cost():
     assert "transformers modules for gpt_neox: no fused kernels" in line and "slower" in line
     assert "\n" not in line
     assert "varlen attention" in describe_training_path(tiny_model("llama"), torch.device("cpu"))
+    line = describe_training_path(tiny_model(OUTSIDE), torch.device("cpu"))  # why, even where no family fuses
+    assert "transformers modules for gpt_neox" in line and "gpt_neox is not in reinforge.models.architectures" in line
 
 
 def test_a_family_of_the_table_running_the_code_its_folder_ships_trains_through_its_own_modules():
