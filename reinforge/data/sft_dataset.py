@@ -10,7 +10,7 @@ covers what the template writes of each assistant message and its end-of-turn to
 - a template with ``{% generation %}`` blocks marks those tokens itself, and they are exactly the
   ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains, with the end-of-turn token the
   template writes right after a block that leaves it out (TRL only warns that such a model may not
-  learn to stop);
+  learn to stop), an empty reply's too (its block marks no token);
 - otherwise a message's part of the text is what changes when its content is replaced by a
   probe string (its tool calls and reasoning included). It starts where the conversation before
   it, rendered with the generation prompt, ends, when the text starts with that rendering (so
@@ -277,6 +277,28 @@ def _with_end_of_turn(loss_mask: list[int], input_ids: list[int], text: str, off
     return loss_mask
 
 
+def _with_empty_replies_ended(loss_mask: list[int], tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                              tools: list[dict[str, Any]] | None, text: str, offsets: list[tuple[int, int]],
+                              input_ids: list[int], turn_end_ids: set[int]) -> list[int]:
+    """``loss_mask`` with the end-of-turn token of each assistant message of which no token is trained (an empty
+    reply, whose ``{% generation %}`` block marks nothing) trained, where only whitespace lies between the message's
+    span (``assistant_char_spans``) and it: an empty reply is the model stopping at once."""
+    if not any(message["role"] in TRAINED_ROLES and not str(message.get("content") or "").strip()
+               for message in messages):
+        return loss_mask
+    loss_mask = list(loss_mask)
+    for start, end in assistant_char_spans(tokenizer, messages, template, text, tools):
+        if any(loss_mask[position] for position, (first, last) in enumerate(offsets) if first < end and last > start):
+            continue
+        following = [position for position, (first, _) in enumerate(offsets) if first >= end]
+        for position in following:
+            if input_ids[position] in turn_end_ids:
+                if not text[end:offsets[position][0]].strip():
+                    loss_mask[following[0]:position + 1] = [1] * (position + 1 - following[0])
+                break
+    return loss_mask
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
                           tools: list[dict[str, Any]] | None = None, num_prompt_messages: int = 0) -> SFTExample:
     """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
@@ -296,9 +318,11 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     if GENERATION_BLOCK.search(template):
+        turn_end_ids = set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id}
         loss_mask = _with_end_of_turn(_marked_assistant_mask(tokenizer, messages, template, tools, input_ids),
-                                      input_ids, text, encoded["offset_mapping"],
-                                      set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id})
+                                      input_ids, text, encoded["offset_mapping"], turn_end_ids)
+        loss_mask = _with_empty_replies_ended(loss_mask, tokenizer, messages, template, tools, text,
+                                              encoded["offset_mapping"], input_ids, turn_end_ids)
     else:
         loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
     if num_prompt_messages:  # TRL's completion mask: what follows the prompt rendered with its generation prompt

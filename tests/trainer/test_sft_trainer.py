@@ -59,6 +59,15 @@ def test_only_assistant_tokens_and_their_end_of_turn_are_trained(tokenizer, temp
                                                                                  chat_template=template)
 
 
+@pytest.mark.parametrize("template", [None, MARKED_TEMPLATE, MARKED_BEFORE_END])
+def test_an_empty_reply_trains_its_end_of_turn(tokenizer, template):
+    """An empty reply is the model stopping at once: its <|im_end|> is trained, also where a {% generation %} block
+    leaves the end of turn out and so marks no token of that reply."""
+    conversation = [*CONVERSATION[:2], {"role": "assistant", "content": ""}, *CONVERSATION[3:]]
+    example = tokenize_conversation(tokenizer, conversation, template)
+    assert trained_text(tokenizer, example) == ["<|im_end|>", "4<|im_end|>"]
+
+
 def test_single_turn_masks_header_and_trailing_newline(tokenizer):
     example = tokenize_conversation(tokenizer, CONVERSATION[1:3])
     prompt = tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
