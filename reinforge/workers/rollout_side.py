@@ -44,10 +44,16 @@ from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_nam
 from reinforge.engine.memory_plan import GiB, rollout_concurrency
 from reinforge.models.loading import float32_parameter_names
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
-from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.registry import get_rollout_engine
 from reinforge.serve.agents import register_configured_agents
-from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, sample_indices, uses_agent_loops
+from reinforge.workers.agent_rollout import (
+    agent_output_batch,
+    agent_rows,
+    padding_trajectory,
+    sample_indices,
+    uses_agent_loops,
+)
 
 
 def seed_for(base_seed: int, uid: str) -> int:
@@ -358,10 +364,10 @@ class RolloutSide:
         per_row = "request_seed" in batch  # partial samples: one request per row, seeded (and budgeted) as given
         images = batch.non_tensors.get(MULTI_MODAL_KEY)  # a vision-language batch: each row's pixels and grids
         indices = sample_indices(batch)
-        counted = counted_rows(batch)  # a request holds counted rows or padding rows, never both
-        while start < len(batch):
+        counted = counted_rows(batch)  # the padding rows after them are not generated (``padding_completions``)
+        while start < counted:
             stop = start + 1
-            while not per_row and stop < len(batch) and stop != counted and uids[stop] == uids[start] and \
+            while not per_row and stop < counted and uids[stop] == uids[start] and \
                     indices[stop] == indices[stop - 1] + 1:
                 stop += 1
             tokens = prompt_ids[start][prompt_mask[start].bool()].tolist()
@@ -377,12 +383,15 @@ class RolloutSide:
             start = stop
         phases.lap("requests")
         completions = []
-        if requests:  # no rows (then on every rank: DP_COMPUTE pads chunks): no gather, no wake-up, no KV cache
+        # no rows (then on every rank: DP_COMPUTE pads chunks): no gather, no wake-up, no KV cache; a share of padding
+        # rows alone takes part in the gather of the weights (a collective over the members) and generates nothing
+        if len(batch):
             with (self.weights.awake(phases), self._sleep_after(phases),
                   autocast_context(self.device, self.config.model.dtype)):
-                completions = self.rollout_engine.generate(requests)
+                completions = self.rollout_engine.generate(requests) if requests else []
                 phases.lap("engine")
         samples = [completion for per_request in completions for completion in per_request]
+        samples += padding_completions(len(batch) - counted)
         responses, response_mask, rollout_log_probs, finish_stop = _response_tensors(
             samples, sampling.max_tokens, self.tokenizer.pad_token_id)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
@@ -392,9 +401,7 @@ class RolloutSide:
                      "position_ids": build_position_ids(attention_mask), "rollout_log_probs": rollout_log_probs,
                      "finished_by_stop": finish_stop},
             non_tensors={} if images is None else {MULTI_MODAL_KEY: images},  # the sequences' images, as they came
-            meta={"rollout_metrics": without_padding_tokens(
-                dict(getattr(self.rollout_engine, "last_metrics", {})) if requests else {},
-                sum(len(completion.token_ids) for completion in samples[counted:]))},
+            meta={"rollout_metrics": dict(getattr(self.rollout_engine, "last_metrics", {})) if requests else {}},
         )
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
@@ -408,6 +415,7 @@ class RolloutSide:
         engine = self.rollout_engine
         engine_counts = getattr(engine, "counts", None)
         counts: list[dict[str, float]] = []
+        counted_row_count = counted_rows(batch)
         with self.weights.awake(phases), self._sleep_after(phases):
             if engine_counts is not None:
                 counts.append(engine_counts())
@@ -415,17 +423,19 @@ class RolloutSide:
                 client = AsyncEngineClient(engine)
             else:
                 client = BatchingClient(engine, lambda: autocast_context(self.device, self.config.model.dtype))
-            outputs = self.agent_runner.run(rows, samplings, client)
+            # a padding row runs no loop: its tools (a sandbox, a side effect) would run twice for the row it copies
+            outputs = self.agent_runner.run(rows[:counted_row_count], samplings[:counted_row_count], client)
             phases.lap("engine")
             if engine_counts is not None:
                 counts.append(engine_counts())
+        outputs += [padding_trajectory(row) for row in rows[counted_row_count:]]
         # one of several members sees only its share: the caller checks the gathered batch (``gathered``)
         by_caller = bool(batch.meta.get(TOOL_CHECK_BY_CALLER))
         if not by_caller:
             self.tool_failure_check(outputs)
         output = agent_output_batch(outputs, batch["input_ids"].shape[1], sampling.max_tokens,
                                     self.tokenizer.pad_token_id)
-        counted = outputs[:counted_rows(batch)]  # the padding rows' trajectories count nowhere
+        counted = outputs[:counted_row_count]  # the padding rows' placeholders count nowhere
         num_sampled = float(sum(sum(output.response_mask) for output in counted))
         engine_seconds = phases.times.get("engine", 0.0)
         trajectories = agent_metrics(counted)
@@ -433,7 +443,6 @@ class RolloutSide:
             "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
             "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
         if len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix cache held
-            # (its work: the padding rows' part of it included, as the generated tokens above are not)
             from reinforge.rollout.native.counters import count_metrics
 
             output.meta["rollout_metrics"] |= count_metrics(*counts)
@@ -464,7 +473,9 @@ ROLLOUT_TOTALS = ("rollout/num_generated_tokens", "rollout/num_preempted", "roll
                   "rollout/prefill_tokens", "rollout/num_prefill_steps", "rollout/num_decode_steps",
                   "rollout/num_decode_rows")
 """The engine's rollout metrics that count over its requests: the members of a group generate their shares side by
-side, so their counts add up (the seconds and rates stay their mean)."""
+side, so their counts add up (the seconds and rates stay their mean). A member's padding rows are not generated
+(``counted_rows``), so these count the batch's rows alone: the steps are those the members' engines ran for them
+(a prompt whose samples are split over two members is prefilled by each)."""
 
 
 def rollout_totals(metrics: dict[str, Any]) -> tuple[str, ...]:
@@ -473,21 +484,15 @@ def rollout_totals(metrics: dict[str, Any]) -> tuple[str, ...]:
 
 def counted_rows(batch: Batch) -> int:
     """The rows of a member's share that count: all but its padding rows (``PADDING_ROWS``, copies of other members'
-    rows that a DP_COMPUTE split adds so that every member generates, and which the controller drops)."""
+    rows that a DP_COMPUTE split adds so that every member's share has as many rows, and which the controller drops).
+    Padding rows are not generated: they get placeholders of the right shape (``padding_completions``,
+    ``padding_trajectory``)."""
     return len(batch) - int(batch.meta.get(PADDING_ROWS, 0))
 
 
-def without_padding_tokens(metrics: dict[str, Any], padding_tokens: int) -> dict[str, Any]:
-    """The engine's ``metrics`` with the tokens sampled for padding rows left out of ``rollout/num_generated_tokens``
-    and ``rollout/tokens_per_s``. The engine's other counts (its prefill and decode steps, their rows and tokens,
-    preemptions, prefix-cache hits) describe its work, which the padding rows were part of."""
-    if padding_tokens and "rollout/num_generated_tokens" in metrics:
-        generated = max(0.0, metrics["rollout/num_generated_tokens"] - padding_tokens)
-        metrics["rollout/num_generated_tokens"] = generated
-        seconds = metrics.get("rollout/time_s", 0.0)
-        if "rollout/tokens_per_s" in metrics:
-            metrics["rollout/tokens_per_s"] = generated / seconds if seconds > 0 else 0.0
-    return metrics
+def padding_completions(num_rows: int) -> list[Completion]:
+    """The responses of ``num_rows`` padding rows: empty, never sampled (the controller drops the rows)."""
+    return [Completion([], [], "length") for _ in range(num_rows)]
 
 
 def _vision_processor(config: Config) -> Any:

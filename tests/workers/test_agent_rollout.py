@@ -267,19 +267,30 @@ def test_agent_rows_seed_each_sample_by_its_index_among_its_prompts_samples():
     assert [sampling.seed for sampling in samplings] == [sample_seed(11, 2), sample_seed(22, 0)]
 
 
-def test_a_members_padding_trajectories_count_nowhere(tiny_model_dir, tool_config):
-    """A share whose last row is padding (a copy of another member's row): its trajectory runs, and counts in no
-    metric of the rollout."""
+def test_a_members_padding_trajectories_run_no_tool_and_count_nowhere(tiny_model_dir, tmp_path):
+    """A share whose last row is padding (a copy of another member's row): no loop runs for it, so its tools (a
+    sandbox, a side effect) do not run a second time for the row it copies, and it counts in no metric of the
+    rollout, the engine's work included."""
     from reinforge.controller.dispatch import PADDING_ROWS
 
+    log = tmp_path / "calls.log"
+    (tmp_path / "logged_tools.py").write_text(TOOLS_PY.replace(
+        '    return "echo:" + text', f'    open({str(log)!r}, "a").write(text + "\\n")\n    return "echo:" + text'))
+    tool_config = tmp_path / "logged.yaml"
+    tool_config.write_text(f"tools:\n  - class_name: {tmp_path / 'logged_tools.py'}:echo\n")
     worker = ActorRolloutWorker(agent_config(tiny_model_dir, tool_config, "native"), total_training_steps=1)
     batch = prompt_batch(worker.tokenizer, rows=2, samples=1)
     padded = Batch.concat([batch, batch.index([0])])
     padded.meta[PADDING_ROWS] = 1
     sampling = SamplingParams(max_tokens=160, temperature=1.0)
-    alone, with_padding = worker.generate(batch, sampling, seed=5), worker.generate(padded, sampling, seed=5)
-    assert torch.equal(with_padding["responses"][:2], alone["responses"])
-    for name in ("rollout/num_generated_tokens", "num_turns/mean", "agent/num_tool_calls/mean"):
+    alone = worker.generate(batch, sampling, seed=5)
+    calls_alone = log.read_text().splitlines()
+    log.unlink()
+    with_padding = worker.generate(padded, sampling, seed=5)
+    assert calls_alone and sorted(log.read_text().splitlines()) == sorted(calls_alone)
+    assert torch.equal(with_padding["responses"][:2], alone["responses"]) and len(with_padding) == 3
+    for name in ("rollout/num_generated_tokens", "num_turns/mean", "agent/num_tool_calls/mean",
+                 "rollout/num_decode_rows", "rollout/prefill_tokens", "rollout/prefix_cache_hit_tokens"):
         assert with_padding.meta["rollout_metrics"][name] == alone.meta["rollout_metrics"][name]
 
 
@@ -288,10 +299,13 @@ class _FakeToolTrajectories:
     ``extra_info`` says ``fail``, none otherwise."""
 
     tools = {"echo": None}
+    ran: list[str] = []
+    """The request ids of the rows whose trajectories ran, over every member."""
 
     def run(self, rows, samplings, client):
         from reinforge.agent import AgentLoopOutput
 
+        self.ran.extend(row["request_id"] for row in rows)
         raised = [3.0 if row["extra_info"].get("fail") else 0.0 for row in rows]
         return [AgentLoopOutput(row["prompt_ids"], [7, 8], [1, 1], [0.0, 0.0], num_turns=4,
                                 metrics={"num_tool_calls": 3.0, "tool_errors": count, "tool_raised": count})
@@ -376,6 +390,27 @@ def _tool_rollouts(failing_rows: list[bool], members: int, rollouts: int = 3, pa
     finally:
         trainer.actor_rollout.shutdown()
     return None
+
+
+@pytest.mark.parametrize(("rows", "members"), [(3, 2), (5, 4)])
+def test_each_row_of_an_uneven_split_runs_its_trajectory_once(rows, members):
+    """A batch that does not split evenly over the members (the last share ends with padding rows, or is padding
+    alone): each row's loop, and so its tools, runs once over the group, and the gathered batch has the rows."""
+    from reinforge.controller import WorkerGroup
+
+    prompts = Batch.from_dict(tensors={"input_ids": torch.ones(rows, 3, dtype=torch.long),
+                                       "attention_mask": torch.ones(rows, 3, dtype=torch.long)},
+                              non_tensors={"uid": [f"u{row}" for row in range(rows)],
+                                           "agent_name": ["tool_agent"] * rows, "extra_info": [{}] * rows})
+    group = WorkerGroup(_tool_rows_worker(), num_members=members, timeout_s=30)
+    _FakeToolTrajectories.ran.clear()
+    try:
+        output = group.generate(prompts, SamplingParams(max_tokens=4), 0)
+    finally:
+        group.shutdown()
+    assert sorted(_FakeToolTrajectories.ran) == [f"u{row}/0" for row in range(rows)]
+    assert len(output) == rows and output["num_turns"].tolist() == [4] * rows
+    assert output.meta["rollout_metrics"]["agent/tool_raised"] == 0
 
 
 @pytest.mark.parametrize("path", ["step", "validation", "one_step_off"])

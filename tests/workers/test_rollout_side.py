@@ -235,9 +235,11 @@ def test_the_native_engines_counts_add_up_over_the_members(tiny_model_dir):
 
 
 @pytest.mark.parametrize("rows, members", [(5, 2), (4, 3)])
-def test_the_padding_rows_tokens_count_nowhere(tiny_model_dir, rows, members):
-    """Rows that do not split evenly: the members generate padding rows too (a share of padding and real rows, or
-    of padding alone), and the group's rollout/num_generated_tokens is still the one member's count of the rows."""
+def test_the_padding_rows_are_not_generated_and_count_nowhere(tiny_model_dir, monkeypatch, rows, members):
+    """Rows that do not split evenly (a share of padding and real rows, or of padding alone): the engines sample the
+    batch's rows alone, so the group's rollout/num_generated_tokens and the sequences its decode steps ran
+    (rollout/num_decode_rows) are one member's counts of the rows, and a share of padding alone reports no engine
+    work."""
     from reinforge.controller.dispatch import collect_results, plan_member_calls
     from reinforge.controller.register import Dispatch, Execute, MethodSpec
     from reinforge.protocol import samples_of
@@ -250,7 +252,17 @@ def test_the_padding_rows_tokens_count_nowhere(tiny_model_dir, rows, members):
     whole = worker.generate(batch, sampling, 7)
     plan = plan_member_calls(spec, "generate", members, (batch, sampling, 7), {})
     assert plan.num_padding > 0
-    merged = collect_results(spec, plan, "generate", [worker.generate(*args) for args, _ in plan.member_arguments])
-    assert torch.equal(merged["responses"], whole["responses"])
-    count = whole.meta["rollout_metrics"]["rollout/num_generated_tokens"]
-    assert merged.meta["rollout_metrics"]["rollout/num_generated_tokens"] == count == float(whole["response_mask"].sum())
+    sampled: list[int] = []
+    generate = worker.rollout_engine.generate
+    monkeypatch.setattr(worker.rollout_engine, "generate", lambda requests: (
+        sampled.append(sum(request.sampling.n for request in requests)), generate(requests))[1])
+    shares = [worker.generate(*args) for args, _ in plan.member_arguments]
+    merged = collect_results(spec, plan, "generate", shares)
+    assert torch.equal(merged["responses"], whole["responses"]) and sum(sampled) == rows
+    assert all(len(share) == plan.chunk_size for share in shares)
+    counts, merged_counts = whole.meta["rollout_metrics"], merged.meta["rollout_metrics"]
+    for name in ("rollout/num_generated_tokens", "rollout/num_decode_rows"):
+        assert merged_counts[name] == counts[name] > 0
+    assert counts["rollout/num_generated_tokens"] == float(whole["response_mask"].sum())
+    if rows <= plan.chunk_size * (members - 1):
+        assert not any(name.startswith("rollout/") for name in shares[-1].meta["rollout_metrics"])
