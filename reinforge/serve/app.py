@@ -155,8 +155,22 @@ class OpenAIEndpoint:
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(f"the request body is over the server's limit of {MAX_BODY_BYTES // (1024 * 1024)} "
                                "MiB; send a shorter conversation", status=413) from None
+        except LookupError:  # Content-Type: application/json; charset=<no such codec>
+            raise RequestError(f"the request body's charset {request.charset!r} is not one this server knows; send "
+                               "the body as UTF-8") from None
+        except ValueError:  # Python's int parsing refuses a literal of over 4300 digits
+            raise RequestError("the request body holds a number of over 4300 digits; send numbers of ordinary "
+                               "size") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
+        try:  # "\ud800" is valid JSON, but no character: the tokenizer would fail on it deep in the request
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as error:
+            raise RequestError(f"the request body holds {error.object[error.start:error.end]!r}, half of a UTF-16 "
+                               "surrogate pair and no character; send text as valid Unicode") from None
+        except RecursionError:
+            raise RequestError("the request body nests its JSON too deeply to read; send a JSON object of "
+                               "ordinary depth") from None
         return body
 
     def _session(self, request: Any) -> ChatSession | None:

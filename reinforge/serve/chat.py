@@ -58,6 +58,8 @@ def text_of(content: Any) -> str:
             if kind != "text":
                 raise RequestError(f"message content part of type {kind!r} is not supported: this endpoint passes "
                                    "the model text alone (no images, audio or files); send text parts only")
+            if not isinstance(part.get("text", ""), str):
+                raise RequestError(f"a text part's text is {json.dumps(part['text'])[:80]}; send it as a string")
         return "".join(part.get("text", "") for part in content)
     raise RequestError(f"message content of type {type(content).__name__} is not supported; send a string or a list "
                        "of text parts")
@@ -66,6 +68,9 @@ def text_of(content: Any) -> str:
 def _arguments(raw: Any) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
+    if raw is not None and not isinstance(raw, str):
+        raise RequestError(f"tool call arguments {json.dumps(raw)[:80]} are neither a JSON string nor an object; send "
+                           "the arguments the server returned")
     try:
         value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
     except json.JSONDecodeError as error:

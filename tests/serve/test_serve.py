@@ -312,6 +312,38 @@ def test_unknown_routes_wrong_methods_oversized_bodies_and_non_boolean_flags_are
         served.close()
 
 
+def test_bodies_python_cannot_read_or_tokenize_and_parts_of_the_wrong_type_are_400s_not_500s(tool_tokenizer):
+    served = served_text(tool_tokenizer, "ok")
+    try:
+        def answer(path: str, body: bytes, content_type: str = "application/json") -> tuple[int, str]:
+            request = urllib.request.Request(served.url + path, body, {"Content-Type": content_type}, method="POST")
+            try:
+                with urllib.request.urlopen(request) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read())["error"]["message"]
+
+        user = b'[{"role": "user", "content": "hi"}]'
+        for path, body, content_type, wanted in (
+                ("/v1/completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "application/json",
+                 "the request body holds a number of over 4300 digits"),
+                ("/v1/completions", b'{"prompt": "a\\ud800b"}', "application/json",
+                 "the request body holds '\\ud800', half of a UTF-16 surrogate pair and no character"),
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                 "application/json", "the request body holds '\\udfff'"),
+                ("/v1/completions", b'{"prompt": "x"}', "application/json; charset=no-such-codec",
+                 "the request body's charset 'no-such-codec' is not one this server knows"),
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+                 "application/json", "a text part's text is 5; send it as a string"),
+                ("/v1/chat/completions", b'{"messages": ' + user[:-1] + b', {"role": "assistant", "tool_calls": [{'
+                 b'"function": {"name": "calc", "arguments": [1]}}]}, {"role": "user", "content": "x"}]}',
+                 "application/json", "tool call arguments [1] are neither a JSON string nor an object")):
+            status, message = answer(path, body, content_type)  # each was a 500 (the arguments were taken for {})
+            assert status == 400 and message.startswith(wanted), (status, message)
+    finally:
+        served.close()
+
+
 def test_requests_past_the_concurrency_limit_are_answered_429_with_retry_after(tool_tokenizer):
     served = served_text(tool_tokenizer, "ok", max_concurrency=1)
     try:
