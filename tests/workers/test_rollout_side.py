@@ -122,6 +122,31 @@ def test_a_batch_of_no_prompts_gets_no_responses_without_waking_the_engine(tiny_
     assert not any(name.startswith("rollout/") for name in output.meta["rollout_metrics"])
 
 
+
+def test_a_share_of_padding_alone_takes_part_in_the_gather_of_the_weights_and_generates_nothing(tiny_model_dir,
+                                                                                               monkeypatch):
+    """Rows that leave the last member padding alone: it samples nothing, but still joins the gather of the sharded
+    weights, a collective every member of several devices must join (the others would wait for it forever)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from reinforge.controller.dispatch import PADDING_ROWS
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    monkeypatch.setattr(rollout_side, "world_size", lambda: 2)
+    calls: list[str] = []
+    unshard = FSDPModule.unshard
+    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: (calls.append("unshard"), unshard(self, *a, **k))[1])
+    generate = worker.rollout_engine.generate
+    monkeypatch.setattr(worker.rollout_engine, "generate", lambda requests: (calls.append("generate"),
+                                                                             generate(requests))[1])
+    share = prompt_batch()
+    share.meta[PADDING_ROWS] = len(share)
+    output = worker.generate(share, SamplingParams(max_tokens=4), 7)
+    assert "unshard" in calls and "generate" not in calls
+    assert output["responses"].shape == (2, 4) and output["response_mask"].sum() == 0
+
 def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
     config = make_config(tiny_model_dir)
     config.rollout.name = "native"
