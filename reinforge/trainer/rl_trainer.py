@@ -32,6 +32,7 @@ from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config, config_to_dict
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
+from reinforge.data.loader_state import check_loader_resumes
 from reinforge.protocol import Batch, samples_of
 from reinforge.reward.combine import combine_scores
 from reinforge.reward.manager import place_on_last_token
@@ -94,6 +95,7 @@ class RLTrainer(TrainingRun):
             epochs, after which the run ends (a step draws several, so total_steps is only an upper bound)."""
             if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
                 self.data_batches = len(self.train_loader) * config.trainer.total_epochs
+            check_loader_resumes(self.train_loader, self._resume_state)  # changed data: refused before any model loads
 
         try:
             self._start_workers(placement, reward_functions, tokenizer)

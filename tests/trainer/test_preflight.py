@@ -373,3 +373,27 @@ def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_model_load
         RLTrainer(lora)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
     preflight_module.check_checkpoint_room(config.model.path, str(tmp_path / "run" / "a" / "b"))
+
+
+def test_a_resumed_run_whose_prompt_file_changed_is_refused_before_any_model_loads(rl_args, arithmetic_data_dir,
+                                                                                   tmp_path, monkeypatch):
+    """Rows added to data.train_files since the checkpoint: the loader's refusal came once every role's model had
+    loaded, at fit(); SFT, RM and DPO refuse it before."""
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "train.parquet"
+    table = pq.read_table(arithmetic_data_dir / "train.parquet")
+    pq.write_table(table, data)
+    args = rl_args(tmp_path / "run", **{"data.train_files": f"[{data}]", "trainer.total_steps": 1})
+    assert main(["train", *args]) == 0
+    pq.write_table(table.slice(0, table.num_rows - 4), data)  # four prompts fewer
+    from reinforge.trainer import rl_trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded")
+
+    monkeypatch.setattr(rl_trainer.ActorRolloutWorker, "__init__", no_model)
+    config = load_config(None, [*args, "trainer.total_steps=2"])
+    with pytest.raises(ValueError, match=rf"^the checkpoint's data loader had num_prompts={table.num_rows} but this run "
+                                         rf"has {table.num_rows - 4}; .*start a new run$"):
+        RLTrainer(config)
