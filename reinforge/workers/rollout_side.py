@@ -439,10 +439,13 @@ class RolloutSide:
         num_sampled = float(sum(sum(output.response_mask) for output in counted))
         engine_seconds = phases.times.get("engine", 0.0)
         trajectories = agent_metrics(counted)
-        output.meta["rollout_metrics"] = trajectories | {
-            "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
-            "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
-        if len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix cache held
+        output.meta["rollout_metrics"] = dict(trajectories)
+        if counted:  # a share of padding alone generated nothing: no rate of its own to average with the others'
+            output.meta["rollout_metrics"] |= {
+                "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
+                "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
+        if counted and len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix
+            # cache held
             from reinforge.rollout.native.counters import count_metrics
 
             output.meta["rollout_metrics"] |= count_metrics(*counts)

@@ -413,6 +413,19 @@ def test_each_row_of_an_uneven_split_runs_its_trajectory_once(rows, members):
     assert output.meta["rollout_metrics"]["agent/tool_raised"] == 0
 
 
+def test_a_share_of_padding_alone_reports_no_rate_of_its_own():
+    """The last member's share is padding alone: it generates nothing, so it reports no rollout/* rate or count for
+    the group to average with the others' (a tokens_per_s of 0 would halve the group's)."""
+    from reinforge.controller.dispatch import PADDING_ROWS
+
+    share = Batch.from_dict(tensors={"input_ids": torch.ones(2, 3, dtype=torch.long),
+                                     "attention_mask": torch.ones(2, 3, dtype=torch.long)},
+                            non_tensors={"uid": ["u0", "u1"], "agent_name": ["tool_agent"] * 2,
+                                         "extra_info": [{}] * 2}, meta={PADDING_ROWS: 2})
+    output = _tool_rows_worker()().generate(share, SamplingParams(max_tokens=4), 0)
+    assert len(output) == 2 and not any(name.startswith("rollout/") for name in output.meta["rollout_metrics"])
+
+
 @pytest.mark.parametrize("path", ["step", "validation", "one_step_off"])
 def test_a_members_share_whose_tool_calls_all_failed_does_not_stop_a_batch_where_others_succeeded(path):
     """Rows 0-3 fail every tool call, rows 4-7 succeed: on two members the first member's share fails three rollouts
