@@ -265,8 +265,13 @@ class GenerationService:
 
     async def _sample(self, prompt_ids: list[int], sampling: SamplingParams, num_samples: int,
                       request_id: str) -> list[Completion]:
-        return list(await asyncio.gather(*(self.client.generate(prompt_ids, each, f"{request_id}/{index}")
-                                           for index, each in enumerate(self._samplings(sampling, num_samples)))))
+        tasks = [asyncio.ensure_future(self.client.generate(prompt_ids, each, f"{request_id}/{index}"))
+                 for index, each in enumerate(self._samplings(sampling, num_samples))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # a choice that failed fails the request: the others are not sampled on for no one
+            for task in tasks:
+                task.cancel()
 
     async def _sample_streamed(self, prompt_ids: list[int], sampling: SamplingParams, num_samples: int,
                                request_id: str, choices: list[StreamedChoice],

@@ -988,3 +988,35 @@ def test_logprobs_of_more_entries_than_one_response_may_hold_are_a_400_naming_th
     # within the limit, or without logprobs, the request is answered
     assert len(asyncio.run(service.chat(dict(chat, max_tokens=40), None))["choices"]) == 8
     assert len(asyncio.run(service.chat(dict(chat, logprobs=False, top_logprobs=None), None))["choices"]) == 8
+
+
+class OneChoiceFailsClient:
+    """Fails the request's second choice at once; the first waits to be sampled until it is cancelled."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        if request_id.endswith("/1"):
+            raise RuntimeError("the engine failed this choice")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def test_a_failed_choice_stops_the_requests_other_choices(tool_tokenizer):
+    """The other choices went on sampling to max_tokens for a request already answered 500."""
+    failing = OneChoiceFailsClient()
+    service = GenerationService(failing, tool_tokenizer, "scripted", codec=ChatCodec(tool_tokenizer),
+                                max_model_len=4096, eos_token_ids=(tool_tokenizer.eos_token_id,))
+
+    async def call():
+        with pytest.raises(RuntimeError, match="the engine failed this choice"):
+            await service.complete({"prompt": "x", "n": 2})
+        for _ in range(3):  # the cancellation reaches the waiting choice
+            await asyncio.sleep(0)
+        assert failing.cancelled == 1  # here: the end of asyncio.run would cancel it anyway
+
+    asyncio.run(call())
