@@ -66,10 +66,9 @@ def agent_rows(batch: Batch, sampling: SamplingParams, request_seeds: list[int])
 def padding_trajectory(row: dict[str, Any]) -> AgentLoopOutput:
     """The placeholder trajectory of a padding row (a copy of another member's row, dropped after gathering; see
     ``rollout_side.counted_rows``): its prompt and no response, with no loop run, so no tool runs twice for the row it
-    copies and no turn is generated for it. ``row``: the row's ``agent_rows`` entry."""
-    images = row.get(MULTI_MODAL_KEY)
-    return AgentLoopOutput(list(row["prompt_ids"]), [], [], [], finish_reason="length",
-                           multi_modal_inputs=images or None)
+    copies and no turn is generated for it. ``row``: the row's ``agent_rows`` entry. No images: a share's image
+    column is its real rows' (``agent_output_batch``), whatever the row copied has."""
+    return AgentLoopOutput(list(row["prompt_ids"]), [], [], [], finish_reason="length")
 
 
 def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, response_width: int,
