@@ -199,7 +199,9 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
     from reinforge.engine.memory_plan import ModelShape, check_model_config
+    from reinforge.trainer.preflight import check_writes_text
 
+    check_writes_text(config.model.path, "model.path")  # a classification model's folder, refused as train does
     check_model_config(config.model.path)  # a config.json train refuses before its model loads, plan refuses too
     from reinforge.trainer.preflight import check_router_aux_loss_has_experts
 

@@ -140,6 +140,19 @@ def test_plan_refuses_a_reward_model_folder_that_is_no_classification_model(tiny
     assert "is not a classification model (Qwen2ForCausalLM in its config.json)" in capsys.readouterr().err
 
 
+def test_plan_refuses_a_classification_model_as_the_policy_as_train_does(tiny_model_dir, tmp_path, capsys):
+    """A reward model's folder as model.path: train refused it before any model loaded, plan said it fits."""
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen2ForSequenceClassification"]}))
+    assert main(["plan", f"model.path={folder}", "trainer.device=cpu", "--host-memory-gib", "100"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: model.path={folder} is Qwen2ForSequenceClassification (in its config.json), a classification model "
+        "that writes no text; point it at a causal LM folder (...ForCausalLM), and give a reward model to "
+        "reward.reward_model.model_path")
+
+
 def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
     assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
     assert capsys.readouterr().err.strip() == (
