@@ -156,9 +156,9 @@ def validate_run(trainer: RunConfig) -> None:
         raise ConfigError(f"trainer.total_epochs={trainer.total_epochs} must be at least 1 when trainer.total_steps "
                           "is unset")
     choose("trainer.device", trainer.device)
-    if trainer.save_every < 0 or trainer.test_every < 0:
-        raise ConfigError(f"trainer.save_every={trainer.save_every} and trainer.test_every={trainer.test_every} "
-                          "must be >= 0 (0: only at the end)")
+    for key, every in (("save_every", trainer.save_every), ("test_every", trainer.test_every)):
+        if every < 0:
+            raise ConfigError(f"trainer.{key}={every} must be >= 0 (a step count; 0: only at the end)")
     _check_seed("trainer.seed", trainer.seed)
     if trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
