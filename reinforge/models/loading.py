@@ -25,6 +25,7 @@ from transformers import (
 
 from reinforge.models.classes import causal_lm_class, named_class
 from reinforge.models.export import AS_LOADED, kept_in_float32
+from reinforge.models.vision import is_vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +416,29 @@ def read_model_config(path: str, trust_remote_code: bool = False, key: str = "mo
                          ) from None
 
 
+def check_causal_lm_config(config, path: str, key: str = "model.path") -> None:
+    """Refuse, in one line naming ``key``, a config of a model type transformers has no causal LM of (an
+    encoder-decoder such as T5, an encoder such as RoBERTa without its decoder flag): AutoModelForCausalLM cannot
+    load it. Vision-language models, folders with code of their own and text configs ``named_class`` finds pass."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if (is_vision_language(config) or getattr(config, "auto_map", None) or type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+            or named_class(config) is not None):
+        return
+    kind = ", an encoder-decoder" if getattr(config, "is_encoder_decoder", False) else ""
+    raise ValueError(f"{key}={path} is a {getattr(config, 'model_type', None)!r} model ({type(config).__name__}{kind}), "
+                     "which transformers has no causal LM class for (AutoModelForCausalLM cannot load it); reinforge "
+                     f"trains causal LMs: point {key} at a causal LM's folder (...ForCausalLM)")
+
+
+def check_loads_as_causal_lm(path: str, trust_remote_code: bool = False, key: str = "model.path") -> None:
+    """``check_causal_lm_config`` on the config.json of the local model folder ``path``, before its weights load (a
+    hub id, or a folder without config.json, is left to the load)."""
+    if not is_local_path(path) or not (Path(path).expanduser() / "config.json").is_file():
+        return
+    check_causal_lm_config(read_model_config(path, trust_remote_code, key), path, key)
+
+
 def unreadable_config(path: str, key: str, error: BaseException) -> BaseException:
     """A local folder whose config.json transformers refuses (a value of the wrong type, a key its config class
     rejects): one line naming the setting, the file and transformers' reason; ``error`` itself otherwise."""
@@ -504,6 +528,7 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
                                            attn_implementation=attn_implementation)
         else:
             config = read_model_config(path, trust_remote_code)
+            check_causal_lm_config(config, path)
             model_class = causal_lm_class(config)  # a VLM: the tower and the LM
             try:
                 with HeldLoadReport() as report:

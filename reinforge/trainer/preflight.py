@@ -45,7 +45,13 @@ from reinforge.engine.memory_plan import ModelShape, check_model_config
 from reinforge.engine.moe import declares_experts, router_aux_loss_coef
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context, warn_if_rollout_parts_from_training
-from reinforge.models.loading import check_model_folder, is_local_path, read_model_config, vocab_rows
+from reinforge.models.loading import (
+    check_loads_as_causal_lm,
+    check_model_folder,
+    is_local_path,
+    read_model_config,
+    vocab_rows,
+)
 from reinforge.models.reward_model import HEADS, check_reward_model
 from reinforge.models.value_model import check_critic_folder, check_critic_reads_policy_ids
 from reinforge.models.vision import run_processor, why_no_images
@@ -314,6 +320,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
     check_model_config(config.model.path)  # its experts and window, also where no memory setting is auto
+    check_loads_as_causal_lm(config.model.path, config.model.trust_remote_code)
     check_checkpoint_room(config.model.path, config.trainer.output_dir)
     longest, source = config.data.max_prompt_length + config.data.max_response_length, \
         "data.max_prompt_length + data.max_response_length"

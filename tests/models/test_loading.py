@@ -266,6 +266,22 @@ def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir,
     assert "model.trust_remote_code=true" in message
 
 
+def test_a_model_transformers_has_no_causal_lm_of_is_refused_in_one_line_before_it_loads(tiny_model_dir, tmp_path):
+    """An encoder-decoder's folder (T5): transformers loads its config but no causal LM; the preflight check and the
+    load refuse it naming the setting (it loaded as its architectures' T5ForConditionalGeneration, whose forward then
+    failed without decoder inputs, said as a transformers version's failure)."""
+    from reinforge.models.loading import check_loads_as_causal_lm
+
+    folder = tmp_path / "t5"
+    message = refused_load(tiny_model_dir, folder, model_type="t5", architectures=["T5ForConditionalGeneration"])
+    assert message.startswith(f"model.path={folder} is a 't5' model (T5Config, an encoder-decoder), "
+                              "which transformers has no causal LM")
+    assert "\n" not in message
+    with pytest.raises(ValueError, match="point model.path at a causal LM's folder"):
+        check_loads_as_causal_lm(str(folder))
+    check_loads_as_causal_lm(str(tiny_model_dir))  # a causal LM passes
+
+
 def test_a_model_whose_code_ships_with_it_is_refused_naming_trust_remote_code(tiny_model_dir, tmp_path):
     folder = tmp_path / "remote"
     message = refused_load(tiny_model_dir, folder, model_type="own_lm",
