@@ -53,6 +53,23 @@ def test_the_block_layout_keeps_every_slots_values_and_scales_apart_and_copies_w
     torch.testing.assert_close(k_cache.rows(torch.arange(3 * page, 4 * page, device=DEVICE)), before)
 
 
+@pytest.mark.parametrize(("page", "heads", "dim"), [(3, 1, 5), (1, 3, 7), (2, 1, 9)])
+def test_blocks_of_an_odd_count_of_values_keep_their_scales_on_whole_floats(page, heads, dim):
+    """A block of 3 tokens of one 5-dim head holds 15 fp8 values: its scales start after a byte of padding, and every
+    slot reads back what was written (an engine built with such a block size, on a model of odd head size)."""
+    num_blocks = 4
+    assert block_bytes(page, heads, dim) % 4 == 0 and block_bytes(16, heads, dim) == 16 * heads * (dim + 4)
+    cache, (k_cache, v_cache) = fp8_layer_cache(num_blocks, page, heads, dim)
+    assert k_cache.values.shape == (num_blocks, page, heads, dim) and k_cache.scales.shape == (num_blocks, page, heads)
+    generator = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(num_blocks * page, heads, dim, generator=generator).to(DEVICE) for _ in range(2))
+    slots = torch.arange(num_blocks * page, device=DEVICE)
+    k_cache.write(k, slots)
+    v_cache.write(v, slots)
+    torch.testing.assert_close(k_cache.rows(slots), dequantize(*quantize(k), torch.float32))
+    torch.testing.assert_close(v_cache.rows(slots), dequantize(*quantize(v), torch.float32))
+
+
 triton = pytest.importorskip("triton")
 from reinforge.rollout.native import triton_kernels  # noqa: E402
 

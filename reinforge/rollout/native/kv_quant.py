@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reinforge.models.kv_layout import fp8_block_bytes
+from reinforge.models.kv_layout import FP8_SCALE_BYTES, fp8_block_bytes
 
 FP8_MAX = 448.0
 """The largest finite float8 e4m3 (fn) value."""
@@ -32,8 +32,16 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 
 def block_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one block of one layer's K (or V) in the fp8 layout: the values, then one float32 scale per vector
-    (``models/kv_layout.py``, which the memory planner and the bandwidth floor count by too)."""
-    return fp8_block_bytes(block_size, num_kv_heads, head_dim)
+    (``models/kv_layout.py``, which the memory planner and the bandwidth floor count by too). The scales start at a
+    multiple of 4 bytes: values of an odd count (a block of an odd number of tokens, heads and dims) are followed by
+    up to 3 unused bytes, which the planner's 16-token blocks never need."""
+    return fp8_block_bytes(block_size, num_kv_heads, head_dim) + _value_bytes(block_size, num_kv_heads, head_dim) \
+        - block_size * num_kv_heads * head_dim
+
+
+def _value_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes before a block's scales: its fp8 values, rounded up to a whole float32."""
+    return -(-block_size * num_kv_heads * head_dim // FP8_SCALE_BYTES) * FP8_SCALE_BYTES
 
 
 @dataclass
@@ -102,12 +110,13 @@ def layer_caches(cache: Tensor, num_kv_heads: int, head_dim: int, dtype: torch.d
                                                                                                QuantizedCache]:
     """One layer's fp8 cache (2, num_blocks, block_bytes) uint8 as its K and V ``QuantizedCache``."""
     num_blocks, num_bytes = cache.shape[1], cache.shape[2]
-    block_size = num_bytes // block_bytes(1, num_kv_heads, head_dim)
+    block_size = num_bytes // fp8_block_bytes(1, num_kv_heads, head_dim)  # the padding is under 4 bytes, a token more
     value_bytes = block_size * num_kv_heads * head_dim
 
     def split(entry: Tensor) -> QuantizedCache:
         values = entry[:, :value_bytes].view(torch.float8_e4m3fn).view(num_blocks, block_size, num_kv_heads, head_dim)
-        scales = entry[:, value_bytes:].view(torch.float32).view(num_blocks, block_size, num_kv_heads)
+        scales = entry[:, _value_bytes(block_size, num_kv_heads, head_dim):].view(torch.float32).view(
+            num_blocks, block_size, num_kv_heads)
         return QuantizedCache(values, scales, dtype)
 
     return split(cache[0]), split(cache[1])
