@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -33,12 +34,50 @@ from reinforge.sandbox.settings import SandboxSettings
 logger = logging.getLogger(__name__)
 CLIENT_IDLE_S = 60.0
 """A connection that sends nothing for this long (a half-sent body, an idle keep-alive) is closed."""
+BODY_DEADLINE_S = 60.0
+"""A request body must arrive whole within this long (16 MiB needs 280 kB/s): one trickled a byte at a time, each
+within ``CLIENT_IDLE_S``, held a thread for ever; past it the connection is closed."""
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
     timeout = CLIENT_IDLE_S
+
+    _expects_continue = False
+
+    def parse_request(self) -> bool:
+        self._expects_continue = False
+        return super().parse_request()
+
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue`` is answered once the request is admitted (``do_POST``): a refusal is the final
+        answer instead, and the client never sends the body."""
+        self._expects_continue = True
+        return True
+
+    def _read_body(self, length: int) -> bytes:
+        """The body's ``length`` bytes (fewer if the client closed early); TimeoutError when the client goes quiet
+        for ``timeout`` seconds, or the whole body takes over ``BODY_DEADLINE_S``."""
+        if self._expects_continue:
+            self._expects_continue = False
+            self.send_response_only(100)
+            self.end_headers()
+        deadline = time.monotonic() + BODY_DEADLINE_S
+        body = bytearray()
+        try:
+            while len(body) < length:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the body did not arrive within {BODY_DEADLINE_S} s")
+                self.connection.settimeout(min(remaining, self.timeout))
+                chunk = self.rfile.read1(min(length - len(body), 1 << 20))
+                if not chunk:
+                    break
+                body += chunk
+        finally:
+            self.connection.settimeout(self.timeout)
+        return bytes(body)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -104,7 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(*refusal)
             return
         try:
-            request = RunCodeRequest.from_json(json.loads(self.rfile.read(length) or b"null"))
+            request = RunCodeRequest.from_json(json.loads(self._read_body(length) or b"null"))
             request.decoded_files()
         except TimeoutError:  # the client stopped sending mid-body
             self.close_connection = True

@@ -182,6 +182,50 @@ def test_a_request_over_the_rate_limit_or_past_a_full_queue_is_refused_before_it
     assert answer.startswith(b"HTTP/1.1 503") and b"queued" in answer, answer
 
 
+def test_expect_100_continue_is_answered_by_the_refusal_or_once_the_request_is_admitted(start_server):
+    """"100 Continue" went out before the rate limit was looked at, so the client sent its body to be refused."""
+    server = start_server(isolation="none", rate_per_s=0.01, burst=1)
+    body = json.dumps({"code": "print(6 * 7)", "language": "python"}).encode()
+    head = (b"POST /run_code HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as connection:
+        connection.sendall(head)
+        assert connection.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # the one token: go on
+        connection.sendall(body)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and b'"stdout": "42\\n"' in answer, answer
+    answer = _raw(server.url, head, timeout_s=3)  # no token left: the refusal, and no body is waited for
+    assert answer.startswith(b"HTTP/1.1 429"), answer
+
+
+def test_a_body_trickled_in_past_its_deadline_is_dropped(monkeypatch, start_server):
+    """Each byte within the idle timeout kept a thread reading one body for ever."""
+    import reinforge.sandbox.server as server_module
+
+    monkeypatch.setattr(server_module, "BODY_DEADLINE_S", 0.5, raising=False)
+    server = start_server(isolation="none", rate_per_s=0)
+    host, port = server.url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=5) as connection:
+        connection.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        with pytest.raises(OSError):  # the server closes the connection: a write fails, or the read ends
+            while time.monotonic() - started < 4:
+                connection.sendall(b" ")
+                time.sleep(0.1)
+                connection.setblocking(False)
+                try:
+                    if connection.recv(1) == b"":
+                        raise ConnectionResetError("closed")
+                except BlockingIOError:
+                    pass
+                finally:
+                    connection.setblocking(True)
+    assert time.monotonic() - started < 3
+
+
 def test_full_queue_answers_503_at_once(start_server):
     server = start_server(max_concurrent=1, max_queued=1)
     body = json.dumps({"code": "import time; time.sleep(1.5)", "language": "python"}).encode()
