@@ -145,6 +145,10 @@ class OpenAIEndpoint:
     async def _body(self, request: Any) -> dict[str, Any]:
         from aiohttp import web
 
+        too_large = RequestError(f"the request body is over the server's limit of {MAX_BODY_BYTES // (1024 * 1024)} "
+                                 "MiB; send a shorter conversation", status=413)
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise too_large  # from its Content-Length, before any of it is read
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -153,8 +157,7 @@ class OpenAIEndpoint:
             raise RequestError("the request body nests its JSON too deeply to read; send a JSON object of "
                                "ordinary depth") from None
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"the request body is over the server's limit of {MAX_BODY_BYTES // (1024 * 1024)} "
-                               "MiB; send a shorter conversation", status=413) from None
+            raise too_large from None
         except LookupError:  # Content-Type: application/json; charset=<no such codec>
             raise RequestError(f"the request body's charset {request.charset!r} is not one this server knows; send "
                                "the body as UTF-8") from None

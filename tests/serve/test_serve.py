@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import sys
 import threading
 import urllib.error
@@ -294,6 +295,11 @@ def test_unknown_routes_wrong_methods_oversized_bodies_and_non_boolean_flags_are
         status, _, body = answer("POST", "/v1/chat/completions", big)
         assert status == 413 and body["error"]["message"] == ("the request body is over the server's limit of 1 "
                                                               "MiB; send a shorter conversation")
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as connection:  # its body is never sent
+            connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                               b"\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
+            assert connection.recv(65536).startswith(b"HTTP/1.1 413")  # from its Content-Length: 64 MiB were read
         for deep in (b"[" * 100000, b'{"a":' * 50000):  # each was a 500 with a RecursionError
             status, _, body = answer("POST", "/v1/chat/completions", deep)
             assert status == 400 and body["error"]["message"].startswith("the request body nests its JSON too deeply")
