@@ -273,6 +273,10 @@ def validate_config(config: Config) -> None:
             raise ConfigError(f"rollout.multi_turn.{key}={value} must be at least 1, or null for no limit")
     if rollout.n < 1:
         raise ConfigError(f"rollout.n={rollout.n} must be at least 1")
+    negative = [token for token in rollout.stop_token_ids if token < 0]
+    if negative:  # transformers' generate then stops at none of the ids, the EOS included
+        raise ConfigError(f"rollout.stop_token_ids={rollout.stop_token_ids} holds {negative[0]}, which is no token id "
+                          "(ids count from 0); give the ids of the tokens to stop at, or [] for the EOS alone")
     if data.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size={data.train_batch_size} must be at least 1")
     if data.val_batch_size is not None and data.val_batch_size < 1:  # 0 meant the whole set, -1 failed at validation

@@ -274,6 +274,25 @@ def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = 
                               "use trainer.device=auto or trainer.device=cpu")
 
 
+def check_fp8_kv_cache_device(config: Config) -> None:
+    """rollout.kv_cache_dtype=fp8 on the native engine refused before the model loads where this process's GPU (the
+    local backend's) cannot compile its fp8 kernels (``kv_quant.fp8_device_refusal``); a Ray member's engine refuses
+    it on its own GPU."""
+    import torch
+
+    from reinforge.workers.memory_settings import native_engine_runs
+
+    if config.rollout.kv_cache_dtype != "fp8" or config.trainer.backend != "local" or \
+            config.trainer.device == "cpu" or not torch.cuda.is_available() or not native_engine_runs(config):
+        return
+    from reinforge.rollout.native.engine import _triton_available
+    from reinforge.rollout.native.kv_quant import fp8_device_refusal
+
+    refusal = fp8_device_refusal(torch.device("cuda", torch.cuda.current_device())) if _triton_available() else None
+    if refusal is not None:
+        raise ConfigError(refusal)
+
+
 def check_batch_splits(config: Config, placement: RolePlacement | None = None) -> None:
     """On Ray, the samples of a step, and of each mini-batch, split evenly over the members of the roles that train:
     a share one row short is padded with copies of other rows, which an update would train on twice."""
@@ -340,6 +359,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                        "is to warm up the critic alone", config.critic.warmup_steps, total_steps)
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
+    check_fp8_kv_cache_device(config)
     check_batch_splits(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward, reward_functions)  # a broken one fails before any model
@@ -364,6 +384,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
+    check_stop_tokens(config.rollout.stop_token_ids, config.model)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path) \
             and not _same_folder(config.critic.model_path, config.model.path):  # the policy's own model reads its ids
         check_critic_reads_policy_ids(config.critic.model_path, tokenizer, "critic.model_path",
@@ -423,6 +444,19 @@ def check_ray_cluster(config: Config, placement: RolePlacement | None = None) ->
     connect_ray(config.trainer.ray_address, device=config.trainer.device)
     placement = placement or default_placement(config)
     check_cluster_holds([placement.pool_for(role) for role in roles_with_groups(config)])
+
+
+def check_stop_tokens(stop_token_ids: list[int], model: ModelConfig) -> None:
+    """rollout.stop_token_ids past the model's embedding rows (ids of another tokenizer, say) are refused: the model
+    never writes them, so a sample would run on to data.max_response_length where it was meant to stop."""
+    if not stop_token_ids or not is_local_path(model.path):
+        return
+    rows = vocab_rows(model.path, model.trust_remote_code)
+    beyond = [token for token in stop_token_ids if rows is not None and token >= rows]
+    if beyond:
+        raise ConfigError(f"rollout.stop_token_ids={stop_token_ids} holds {beyond[0]}, past the {rows} token ids of "
+                          f"model.path={model.path} (vocab_size in its config.json), so the model never writes it; "
+                          "give ids of the model's own tokenizer (tokenizer.convert_tokens_to_ids)")
 
 
 def _same_folder(path: str, other: str) -> bool:

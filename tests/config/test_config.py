@@ -157,6 +157,7 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["algorithm.lam=-0.1"], r"algorithm.lam=-0.1 is out of range"),
     (["actor.optim.warmup_ratio=1.5"], r"actor.optim.warmup_ratio=1.5 is out of range"),
     (["trainer.total_steps=0"], r"trainer.total_steps=0 trains nothing"),
+    (["rollout.stop_token_ids=[2,-1]"], r"^rollout.stop_token_ids=\[2, -1\] holds -1, which is no token id"),
     (["trainer.test_every=-1"], r"^trainer.test_every=-1 must be >= 0 .*\(trainer.test_every: command line\)$"),
     (["trainer.output_dir="], r"trainer.output_dir is empty, which would make the current folder the run folder"),
     (["trainer.total_steps=null", "trainer.total_epochs=0"], r"trainer.total_epochs=0 must be at least 1"),

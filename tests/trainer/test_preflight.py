@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
     {"critic.model_path": "./no_such_critic", "critic.enable": True},  # the critic's folder, checked before the actor's
     {"trainer.backend": "ray", "trainer.devices_per_node": 3},  # 4 prompts x 4 samples do not split over 3 members
     {"actor.router_aux_loss_coef": 0.01},  # a load-balancing loss on a model without experts, read from its config
+    {"rollout.stop_token_ids": "[99999]"},  # a stop id past the model's embedding rows: never written, never stops
 ], ids=lambda overrides: next(iter(overrides)))
 def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, overrides):
     args = rl_args(tmp_path / "cli", **overrides)
@@ -397,3 +398,31 @@ def test_a_resumed_run_whose_prompt_file_changed_is_refused_before_any_model_loa
     with pytest.raises(ValueError, match=rf"^the checkpoint's data loader had num_prompts={table.num_rows} but this run "
                                          rf"has {table.num_rows - 4}; .*start a new run$"):
         RLTrainer(config)
+
+
+def test_an_fp8_cache_on_a_gpu_without_fp8_kernels_is_refused_before_the_model_loads(rl_args, tmp_path, monkeypatch):
+    """Triton compiles float8 e4m3 from compute capability 8.9 on: on an A100 the native engine's fp8 kernels failed
+    to compile at the first rollout; preflight and the engine refuse it in one line, and a Hopper passes."""
+    from reinforge.rollout.native.kv_quant import fp8_device_refusal, fp8_refusal
+    from reinforge.trainer.preflight import check_fp8_kv_cache_device
+
+    capability = [(8, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    config = load_config(None, rl_args(tmp_path, **{"rollout.name": "native", "rollout.kv_cache_dtype": "fp8",
+                                                    "trainer.device": "auto"}))
+    with pytest.raises(ConfigError, match=r"^rollout.kv_cache_dtype=fp8: the native engine's fp8 kernels need a GPU of "
+                                          r"compute capability 8.9 or newer \(Ada, Hopper\), and this NVIDIA "
+                                          r"A100-SXM4-80GB is 8.0; use rollout.kv_cache_dtype=auto$"):
+        check_fp8_kv_cache_device(config)
+    config.rollout.kv_cache_dtype = "auto"
+    check_fp8_kv_cache_device(config)
+    config.rollout.kv_cache_dtype = "fp8"
+    capability[0] = (9, 0)
+    check_fp8_kv_cache_device(config)
+    assert fp8_device_refusal(torch.device("cpu")) is None  # the PyTorch path keeps an fp8 cache anywhere
+    capability[0] = (8, 6)
+    assert "this NVIDIA A100-SXM4-80GB is 8.6" in fp8_refusal("qwen2", False, torch.device("cuda", 0), use_triton=True)
+    assert fp8_refusal("qwen2", False, torch.device("cuda", 0), use_triton=False) is None
