@@ -122,11 +122,34 @@ def layer_caches(cache: Tensor, num_kv_heads: int, head_dim: int, dtype: torch.d
     return split(cache[0]), split(cache[1])
 
 
-def fp8_refusal(model_type: str, has_latent_attention: bool) -> str | None:
-    """Why ``kv_cache_dtype=fp8`` cannot run for this model and build, in one line; None when it can."""
+FP8_MIN_CAPABILITY = (8, 9)
+"""The CUDA compute capability from which Triton compiles float8 e4m3 (Ada, Hopper and later); an A100 (8.0) or an
+RTX 3090 (8.6) has none, so the Triton kernels that read and write an fp8 cache fail to compile there."""
+
+
+def fp8_refusal(model_type: str, has_latent_attention: bool, device: torch.device | None = None,
+                use_triton: bool = False) -> str | None:
+    """Why ``kv_cache_dtype=fp8`` cannot run for this model and build (and on ``device`` through the Triton kernels
+    when ``use_triton``), in one line; None when it can."""
     if has_latent_attention:
         return (f"rollout.kv_cache_dtype=fp8: {model_type}'s latent attention (MLA) keeps its compressed cache in the "
                 "model dtype; use rollout.kv_cache_dtype=auto")
     if not hasattr(torch, "float8_e4m3fn"):
         return f"rollout.kv_cache_dtype=fp8 needs torch.float8_e4m3fn (torch {torch.__version__} has none); use auto"
+    if use_triton and device is not None:
+        return fp8_device_refusal(device)
     return None
+
+
+def fp8_device_refusal(device: torch.device) -> str | None:
+    """Why the native engine's Triton kernels cannot keep an fp8 cache on ``device``, in one line; None when they can
+    (any CUDA device of compute capability 8.9 or more, and every other device, which runs the PyTorch path)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"rollout.kv_cache_dtype=fp8: the native engine's fp8 kernels need a GPU of compute capability "
+            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer (Ada, Hopper), and this "
+            f"{torch.cuda.get_device_name(device)} is {'.'.join(map(str, capability))}; use rollout.kv_cache_dtype=auto")

@@ -112,8 +112,8 @@ class ModelRunner:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         refusal = fp8_refusal(self.decoder.spec.model_type,
-                              not all(hasattr(block, "num_kv_heads") for block in self.decoder.attention)) \
-            if kv_cache_dtype == "fp8" else None
+                              not all(hasattr(block, "num_kv_heads") for block in self.decoder.attention),
+                              self.decoder.device, self.decoder.use_triton) if kv_cache_dtype == "fp8" else None
         if refusal is not None:
             raise ValueError(refusal)
         self.kv_cache_dtype = kv_cache_dtype
