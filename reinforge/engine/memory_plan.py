@@ -835,6 +835,10 @@ class RunShape:
     """rollout.gpu_memory_utilization of the native engine on a GPU: its KV cache takes what the rollout leaves of this
     fraction of the device, up to what its max_num_seqs can use (``rollout.native.engine``'s sizing), not
     ``rollout.kv_cache_gib``; 0: the planner sizes the cache."""
+    prefill_tokens: int = ENGINE_MAX_BATCHED_TOKENS
+    """The most new tokens one prefill forward of the native engine runs, which its activations are sized for: its
+    step of 16,384 tokens, or a longer rollout.max_prefill_chunk_tokens where a sequence is that long (a long
+    prompt, or a preempted long sample prefilled again)."""
     image_tokens: int = 0
     """A vision-language model: the language model's image tokens of one prompt at most (data.max_image_tokens, else
     the prompt's length bounds them); its tower encodes ``VisionShape.patches`` of them. Ignored for a text model."""
@@ -1136,7 +1140,7 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings,
         # the frozen base is the engine's too (rollout.native.model.weights_read_in_place): counted once
         engine_weights = dtype_bytes * shape.projection_params
     kv_cache = max(settings.kv_cache_gib or needed_kv_gib(shape, run), judge_sequence_gib(run)) * GiB
-    engine_activations = (ENGINE_MAX_BATCHED_TOKENS * (4 * shape.intermediate_size + 8 * shape.hidden_size) * dtype_bytes
+    engine_activations = (run.prefill_tokens * (4 * shape.intermediate_size + 8 * shape.hidden_size) * dtype_bytes
                           + ENGINE_MAX_NUM_SEQS * shape.vocab_size * 16 + (256 << 20))
 
     rollout = dict(resident)

@@ -93,8 +93,19 @@ def run_shape(config: Config) -> RunShape:
                     native_engine=native,
                     kv_cache_fraction=float(config.rollout.gpu_memory_utilization or 0.0)
                     if native and on_gpu else 0.0,
+                    prefill_tokens=prefill_forward_tokens(config),
                     image_tokens=config.data.max_image_tokens or config.data.max_prompt_length,
                     train_vision=not config.actor.freeze_vision_tower)
+
+
+def prefill_forward_tokens(config: Config) -> int:
+    """The most new tokens one of the native engine's prefill forwards runs: its step (``ENGINE_MAX_BATCHED_TOKENS``
+    new tokens, of one sequence or several), or the whole of a longer sequence up to rollout.max_prefill_chunk_tokens
+    where that is larger."""
+    from reinforge.engine.memory_plan import ENGINE_MAX_BATCHED_TOKENS
+
+    chunk = config.rollout.max_prefill_chunk_tokens or 0
+    return max(ENGINE_MAX_BATCHED_TOKENS, min(chunk, config.data.max_prompt_length + config.data.max_response_length))
 
 
 def native_engine_runs(config: Config) -> bool:

@@ -297,3 +297,17 @@ def test_async_between_syncs_plans_the_hosts_copy_of_the_rollouts_weights(config
     with pytest.raises(MemoryPlanError, match=r"needs 2.9 GiB of host memory but 2.8 GiB are usable \(rollout weights "
                                               r"between syncs 2.9 GiB\).* or trainer.trigger_sync_steps=1"):
         memory_plan(config)
+
+
+def test_prefill_chunks_longer_than_the_engines_step_count_in_the_rollouts_activations(config):
+    """rollout.max_prefill_chunk_tokens=32768 prefills a long prompt, or a preempted 8k sample, in one forward of up
+    to the whole sequence (8,320 tokens here, under the engine's 16,384-token step) or of a 32k one: the plan sized
+    the engine's activations for 16,384 tokens whatever the chunk."""
+    per_token = (4 * QWEN25_1_5B["intermediate_size"] + 8 * QWEN25_1_5B["hidden_size"]) * 2
+    default = memory_plan(config).phases["rollout"]["rollout activations"]
+    config.rollout.max_prefill_chunk_tokens = 32768
+    assert memory_plan(config).phases["rollout"]["rollout activations"] == default  # no 8k sequence is longer
+    config.data.train_batch_size, config.data.max_response_length = 8, 32768
+    assert memory_plan(config).phases["rollout"]["rollout activations"] == pytest.approx(default + 16384 * per_token)
+    config.rollout.max_prefill_chunk_tokens = 4096  # smaller forwards than the step: the step's still counts
+    assert memory_plan(config).phases["rollout"]["rollout activations"] == default

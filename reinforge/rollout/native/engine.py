@@ -318,7 +318,9 @@ class NativeEngine:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         config = self.runner.decoder.context.config  # the text config (a multimodal model keeps it inside)
         element_size = self.runner.decoder.dtype.itemsize
-        activations = (self.max_num_batched_tokens * (4 * config.intermediate_size + 8 * config.hidden_size)
+        # a prefill forward runs a step's new tokens, or a longer sequence's chunk where the chunks are larger
+        forward_tokens = max(self.max_num_batched_tokens, min(self.runner.max_prefill_chunk_tokens, self.max_model_len))
+        activations = (forward_tokens * (4 * config.intermediate_size + 8 * config.hidden_size)
                        * element_size + self.max_num_seqs * config.vocab_size * 16 + (256 << 20))
         budget = total * self.gpu_memory_utilization - (total - free) - activations
         if budget < self.runner.kv_bytes_per_block():
