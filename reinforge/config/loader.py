@@ -292,6 +292,11 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
             # as the word None
             raise ConfigError(f"{dotted}='None' ({source}) is the text None, not no value; write null for that "
                               f"({dotted}=null, or {dotted.rpartition('.')[2]}: null in YAML)")
+        if value is None and dotted in known and _is_container(known[dotted]) \
+                and _unwrap_optional(known[dotted]) is known[dotted]:  # a list or mapping that may not be null
+            empty = "{}" if _is_mapping(known[dotted]) else "[]"
+            raise ConfigError(f"{dotted}=null ({source}) is not a valid {expected}; write {empty} for none "
+                              f"({dotted}={empty}, or {dotted.rpartition('.')[2]}: {empty} in YAML)")
         if isinstance(value, bool) and _unwrap_optional(known.get(dotted)) is str:
             # OmegaConf would keep the text 'True': reward.judge.yes_token: Yes read the judge's probability of True
             raise ConfigError(f"{dotted} ({source}) was read as the boolean {str(value).lower()}, where text goes: YAML "

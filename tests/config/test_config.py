@@ -85,6 +85,12 @@ def test_wrong_type_names_key_value_and_type():
                                           r"null in YAML\)$"):
         load_config(None, ["data.chat_template=None"], validate=False)
     assert load_config(None, ["data.chat_template=null"], validate=False).data.chat_template is None
+    # a list or mapping given null (val_files: null for no validation) named no way to say "none"
+    with pytest.raises(ConfigError, match=r"^data.val_files=null \(command line\) is not a valid list\[str\]; write "
+                                          r"\[\] for none \(data.val_files=\[\], or val_files: \[\] in YAML\)$"):
+        load_config(None, ["data.val_files=null"], validate=False)
+    with pytest.raises(ConfigError, match=r"^reward.kwargs=null \(command line\) is not a valid mapping; write \{\}"):
+        load_config(None, ["reward.kwargs=null"], validate=False)
     # OmegaConf reads any number as a bool: data.shuffle=2 was true; 0 and 1 (and yes, on, True) still read
     with pytest.raises(ConfigError, match=r"^data.shuffle=2 \(command line\) is not a valid bool: write true or false$"):
         load_config(None, ["data.shuffle=2"], validate=False)
