@@ -275,7 +275,12 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
     reward.kwargs={} on the command line left every option of the file in place); ``whole`` names the keys given
     a whole mapping, None meaning every one (a YAML file's). Other mappings, from reward.kwargs.key=value, merge."""
     _check_keys(tree, source, known)
+    given: set[str] = set()
     for dotted, value in _flatten(tree, known):
+        if dotted in given:  # rollout.n: 4 beside a rollout: section holding n: the later one won without a word
+            raise ConfigError(f"{dotted} is given twice ({source}): as a dotted key and inside its section; keep one "
+                              "of them")
+        given.add(dotted)
         if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
             if "," in value:  # a list without its brackets: one item 'a,b' named no file, layer or logger
                 items = ",".join(item.strip() for item in value.split(","))

@@ -404,6 +404,12 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     path.write_text("base: &base\n  lr: 1.0e-5\nactor:\n  optim:\n    <<: *base\n    weight_decay: 0.1\n")
     with pytest.raises(ConfigError, match="unknown key base"):  # a merge key is not a repeated key
         load_config(path)
+    path.write_text("rollout.n: 3\nrollout:\n  n: 5\n")  # the dotted key and the section's: 5 won without a word
+    with pytest.raises(ConfigError, match=r"^rollout.n is given twice \(from run.yaml\): as a dotted key and inside "
+                                          r"its section; keep one of them$"):
+        load_config(path)
+    path.write_text("rollout.n: 3\nrollout:\n  temperature: 0.5\n")
+    assert load_config(path).rollout.n == 3
 
 
 @pytest.mark.parametrize("overrides, message", [
