@@ -835,6 +835,9 @@ class RunShape:
     """rollout.gpu_memory_utilization of the native engine on a GPU: its KV cache takes what the rollout leaves of this
     fraction of the device, up to what its max_num_seqs can use (``rollout.native.engine``'s sizing), not
     ``rollout.kv_cache_gib``; 0: the planner sizes the cache."""
+    fp8_kv_cache_runs: bool = True
+    """The devices can keep the native engine's fp8 cache (False on a GPU below compute capability 8.9, where its
+    kernels do not compile): a refusal suggests rollout.kv_cache_dtype=fp8 only where it would run."""
     prefill_tokens: int = ENGINE_MAX_BATCHED_TOKENS
     """The most new tokens one prefill forward of the native engine runs, which its activations are sized for: its
     step of 16,384 tokens, or a longer rollout.max_prefill_chunk_tokens where a sequence is that long (a long
@@ -1440,7 +1443,7 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
         if run.critic and not run.critic_offload:  # the critic's state is no planned setting: the user's to move
             options.insert(0, ("critic.optimizer_offload=true", dataclasses.replace(run, critic_offload="optimizer")))
         # half the KV bytes (docs/long_responses.md), where the native engine keeps the cache
-        if run.kv_cache_dtype == "auto" and run.native_engine and not shape.kv_lora_rank:
+        if run.kv_cache_dtype == "auto" and run.native_engine and run.fp8_kv_cache_runs and not shape.kv_lora_rank:
             options.insert(1, ("rollout.kv_cache_dtype=fp8", dataclasses.replace(run, kv_cache_dtype="fp8")))
         if run.kv_cache_fraction:  # the engine's cache fills the device whatever its size
             options.insert(0, ("rollout.gpu_memory_utilization=null (the planner sizes the KV cache)",

@@ -93,9 +93,20 @@ def run_shape(config: Config) -> RunShape:
                     native_engine=native,
                     kv_cache_fraction=float(config.rollout.gpu_memory_utilization or 0.0)
                     if native and on_gpu else 0.0,
+                    fp8_kv_cache_runs=fp8_kv_cache_runs_here(config),
                     prefill_tokens=prefill_forward_tokens(config),
                     image_tokens=config.data.max_image_tokens or config.data.max_prompt_length,
                     train_vision=not config.actor.freeze_vision_tower)
+
+
+def fp8_kv_cache_runs_here(config: Config) -> bool:
+    """Whether this machine's GPU, where the run trains on it, can keep the native engine's fp8 cache
+    (``kv_quant.fp8_device_refusal``); True where the run plans for no GPU of this machine."""
+    if config.trainer.device == "cpu" or not torch.cuda.is_available():
+        return True
+    from reinforge.rollout.native.kv_quant import fp8_device_refusal
+
+    return fp8_device_refusal(torch.device("cuda", torch.cuda.current_device())) is None
 
 
 def prefill_forward_tokens(config: Config) -> int:

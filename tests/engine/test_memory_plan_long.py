@@ -145,6 +145,22 @@ def test_a_refused_long_plan_names_the_fp8_kv_cache_where_it_would_fit(capsys):
     assert "would fit with data.max_response_length=32768" in error and "kv_cache_dtype" not in error
 
 
+def test_a_refusal_on_a_gpu_without_fp8_kernels_does_not_name_the_fp8_cache(capsys, monkeypatch):
+    """On an A100 (compute capability 8.0) the engine refuses an fp8 cache: the plan's refusal named it as the fix."""
+    import torch
+
+    from reinforge.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert main(["plan", "--model", "1.5b", "--prompts", "8", "--response-tokens", "65536", "--gpu-memory-gib", "24",
+                 "--host-memory-gib", "1000", "trainer.device=cuda"]) == 2
+    error = capsys.readouterr().err
+    assert "would fit with data.max_response_length=32768" in error and "kv_cache_dtype" not in error
+
+
 def test_a_refusal_names_a_smaller_kv_cache_that_would_fit_and_that_cache_fits():
     """Mistral-7B's standard step on 24 GiB fits with a cache of a sixteenth of its sequences, below the eighth the
     planner goes down to; the refusal named only other workloads and the fp8 cache."""
