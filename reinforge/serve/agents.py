@@ -18,6 +18,7 @@ stops the rollout with its error: a broken agent must not train on what it left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -154,16 +156,18 @@ class OpenAIAgentLoop(AgentLoop):
 
 async def run_agent_command(command: list[str], base_url: str, row: dict[str, Any]) -> Any:
     """Run an agent command with OPENAI_BASE_URL set and the row on stdin; its last printed line, as a number if
-    it reads as one."""
+    it reads as one. Cancelled (its timeout), the command is killed with every process it started: it runs in a
+    process group of its own (``cmd:bash run.sh`` or ``cmd:uv run agent.py`` would leave the agent itself running)."""
     environment = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "none"))
     process = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE,
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                   env=environment)
+                                                   env=environment, start_new_session=True)
     try:
         stdout, stderr = await process.communicate(json.dumps(jsonable(row)).encode())
     except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)  # the group outlives its leader: killed whether or not it exited
         if process.returncode is None:
-            process.kill()
             await process.wait()
         raise
     if process.returncode != 0:

@@ -321,3 +321,28 @@ def test_a_shared_endpoint_keeps_its_context_alive_so_no_other_context_takes_its
         assert alive() is None and not _SharedEndpoint.endpoints
 
     asyncio.run(main())
+
+
+def test_an_agent_command_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    """Only the command itself was killed: ``sh run.sh`` (or ``uv run agent.py``) left the agent running, and the
+    timeout waited for it to end on its own, as it held the command's output open."""
+    import os
+    import time
+
+    from reinforge.serve.agents import run_agent_command
+
+    pid_file = tmp_path / "pid"
+
+    async def run() -> None:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await run_agent_command(["sh", "-c", f"sleep 30 & echo $! > {pid_file}; wait"], "http://x", {})
+        assert time.monotonic() - started < 5
+        status = f"/proc/{int(pid_file.read_text())}/status"
+        deadline = time.monotonic() + 2
+        while os.path.exists(status) and "\nState:\tZ" not in open(status).read():  # killed: gone, or unreaped
+            assert time.monotonic() < deadline, "the agent's own process outlived its command"
+            await asyncio.sleep(0.02)
+
+    asyncio.run(run())
