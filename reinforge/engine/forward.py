@@ -416,16 +416,17 @@ def _response_projection(model: nn.Module, hidden: Tensor, targets: Tensor, unpa
                          with_entropy: bool, max_logits_bytes: int, with_sum_pi_squared: bool) -> tuple[Tensor, ...]:
     """The response tokens' log-probs (and entropy, or sum_v pi(v)^2) from their predictors' hidden states, the
     output projection fused with the log-softmax; ``unpack`` lays each (tokens,) output out as (B, R)."""
-    weight = model.get_output_embeddings().weight
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)  # Phi-2's and GPT-J's output layers have a bias
     logit_scale, softcap = model_logit_transform(model)
     if with_sum_pi_squared:
         outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, targets, temperature,
                                                       max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
-                                                      softcap=softcap)
+                                                      softcap=softcap, bias=bias)
         return tuple(unpack(output) for output in outputs)
     log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, targets, temperature,
                                           max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
-                                          softcap=softcap)
+                                          softcap=softcap, bias=bias)
     return unpack(log_probs), unpack(entropy) if with_entropy else None
 
 

@@ -123,12 +123,13 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
                 chunk_size: int, needs_grad: bool, max_logits_bytes: int, logit_scale: float,
-                softcap: float | None) -> tuple[Tensor, Tensor]:
+                softcap: float | None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
         stats = functools.partial(_row_math(hidden)[0], logit_scale=logit_scale, softcap=softcap)
         inv_temperature = 1.0 / temperature
         num_rows = hidden.shape[0]
+        ctx.bias = bias
         if _fits_at_once(hidden, weight.shape[0], max_logits_bytes):
-            logits = hidden @ weight.t()
+            logits = _project(hidden, weight, bias)
             log_probs, entropy, lse = stats(logits, targets, inv_temperature)
             if needs_grad:
                 ctx.save_for_backward(hidden, weight, targets, lse, entropy, logits)
@@ -141,7 +142,7 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in range(0, num_rows, chunk_size):
                 stop = min(start + chunk_size, num_rows)
                 log_probs[start:stop], entropy[start:stop], lse[start:stop] = stats(
-                    hidden[start:stop] @ weight.t(), targets[start:stop], inv_temperature)
+                    _project(hidden[start:stop], weight, bias), targets[start:stop], inv_temperature)
             ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.inv_temperature, ctx.chunk_size, ctx.consumed = inv_temperature, chunk_size, False
         ctx.logit_scale, ctx.softcap = logit_scale, softcap
@@ -167,41 +168,55 @@ class _LinearLogProbs(torch.autograd.Function):
                                 out=logits)
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
             grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-            return grad_hidden, grad_weight, None, None, None, None, None, None, None
+            grad_bias = grad_logits.sum(0, dtype=torch.float32).to(ctx.bias.dtype) if ctx.needs_input_grad[9] else None
+            return grad_hidden, grad_weight, None, None, None, None, None, None, None, grad_bias
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[9] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, hidden.shape[0])
             chunk = hidden[start:stop]
-            logits = chunk @ weight.t()
+            logits = _project(chunk, weight, ctx.bias)
             grad_logits = grads(logits, targets[start:stop], lse[start:stop], entropy[start:stop],
                                 grad_log_probs[start:stop], grad_entropy[start:stop], ctx.inv_temperature, out=logits)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += grad_logits.t() @ chunk
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0, dtype=torch.float32)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(ctx.bias.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, grad_bias
+
+
+def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The output layer's logits of ``hidden``: ``hidden @ weight.T``, plus its bias where it has one (Phi-2's)."""
+    logits = hidden @ weight.t()
+    return logits if bias is None else logits.add_(bias)
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE,
                      max_logits_bytes: int = MAX_LOGITS_BYTES, logit_scale: float = 1.0,
-                     softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """log softmax(model_logits(hidden @ weight.T) / temperature)[target] and the entropy, both float32 (N,).
+                     softcap: float | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """log softmax(model_logits(hidden @ weight.T + bias) / temperature)[target] and the entropy, both float32 (N,).
 
-    hidden: (N, hidden_size); weight: (vocab, hidden_size) in the same dtype; targets: (N,).
-    Logits larger than ``max_logits_bytes`` go ``chunk_size`` rows at a time. ``logit_scale`` and
+    hidden: (N, hidden_size); weight: (vocab, hidden_size) and bias (vocab,) or None in the same dtype; targets:
+    (N,). Logits larger than ``max_logits_bytes`` go ``chunk_size`` rows at a time. ``logit_scale`` and
     ``softcap``: see ``model_logits``.
     """
     if temperature <= 0:
         temperature = 1.0
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad))
     return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size), needs_grad,
                                  int(max_logits_bytes), float(logit_scale),
-                                 None if softcap is None else float(softcap))
+                                 None if softcap is None else float(softcap), bias)
 
 
 
@@ -231,7 +246,8 @@ def _sum_pi_squared(logits: Tensor, lse: Tensor, inv_temperature: float, logit_s
 def linear_log_probs_and_sum_pi_squared(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                                         chunk_size: int = DEFAULT_CHUNK_SIZE,
                                         max_logits_bytes: int = MAX_LOGITS_BYTES, logit_scale: float = 1.0,
-                                        softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                        softcap: float | None = None,
+                                        bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``linear_log_probs`` without gradients, plus sum_v pi(v)^2 of each row; all float32 (N,).
 
     For scoring only (the optimal token baseline needs the sum). The products and row kernels
@@ -249,7 +265,7 @@ def linear_log_probs_and_sum_pi_squared(hidden: Tensor, weight: Tensor, targets:
         blocks = [(start, min(start + chunk_size, hidden.shape[0])) for start in range(0, hidden.shape[0], chunk_size)]
     parts = []
     for start, stop in blocks:
-        logits = hidden[start:stop] @ weight.t() if len(blocks) > 1 else hidden @ weight.t()
+        logits = _project(hidden[start:stop] if len(blocks) > 1 else hidden, weight, bias)
         log_probs, entropy, lse = stats(logits, targets[start:stop], inv_temperature)
         parts.append((log_probs, entropy, _sum_pi_squared(logits, lse, inv_temperature, logit_scale, softcap)))
     if not parts:

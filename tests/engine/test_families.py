@@ -118,6 +118,22 @@ def assert_pass_equals_transformers_padded_forward(model, share_prompts: bool, f
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("bias", [0.0, 0.5])
+def test_an_output_layer_bias_outside_the_table_trains_as_transformers_does(bias):
+    """Phi-2's lm_head has a bias, zero in a model built from its config: the packed pass adds it, and its gradient
+    is transformers' (it read as no bias: a zero bias never trained, a trained one took the padded own-logits path)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("phi", vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            model.lm_head.bias.normal_(0.0, bias)
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
+
+
 UNMASKED_WINDOW = ("llama", "olmo2", "olmoe", "deepseek_v3")
 """Families whose models build only causal masks: a ``sliding_window`` their config.json carries slides nothing in
 transformers' eager and SDPA forwards (OLMoE still hands it to its attention function)."""

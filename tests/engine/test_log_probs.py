@@ -33,6 +33,35 @@ def test_chunked_log_probs_and_entropy_match_full_logits(temperature, chunk_size
 
 
 @pytest.mark.parametrize("store_logits", [True, False])
+def test_log_probs_of_an_output_layer_with_a_bias(store_logits):
+    """Phi-2's and GPT-J's output layers add a bias: the log-probs, entropy and gradients (the bias's too, and its
+    sum over scoring) are those of ``hidden @ weight.T + bias``."""
+    max_logits_bytes = {} if store_logits else {"max_logits_bytes": 0}
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(11, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(29, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(29, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 29, (11,), generator=generator)
+    grad_lp, grad_ent = torch.randn(11, generator=generator), torch.randn(11, generator=generator)
+    log_probs, entropy = linear_log_probs(hidden, weight, targets, 0.8, 4, bias=bias, **max_logits_bytes)
+    ((log_probs * grad_lp).sum() + (entropy * grad_ent).sum()).backward()
+    fused_grads = hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()
+    hidden.grad, weight.grad, bias.grad = None, None, None
+
+    logits = (hidden @ weight.t() + bias) / 0.8
+    expected_lp = log_probs_from_logits(logits[None], targets[None])[0]
+    expected_ent = entropy_from_logits(logits[None])[0]
+    ((expected_lp * grad_lp).sum() + (expected_ent * grad_ent).sum()).backward()
+    torch.testing.assert_close(log_probs, expected_lp.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_ent.float(), atol=1e-5, rtol=1e-5)
+    for got, expected in zip(fused_grads, (hidden.grad, weight.grad, bias.grad), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    scored = linear_log_probs_and_sum_pi_squared(hidden.detach(), weight.detach(), targets, 0.8, 4, bias=bias.detach(),
+                                                 **max_logits_bytes)
+    torch.testing.assert_close(scored[0], expected_lp.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("store_logits", [True, False])
 @pytest.mark.parametrize("logit_scale,softcap", [(1.0, 2.0), (0.25, None), (0.5, 3.0)])
 def test_log_probs_of_scaled_and_soft_capped_logits(logit_scale, softcap, store_logits):
     """The log-probs, entropy and gradients are those of the model's logits: scaled, then capped c tanh(x / c)."""
