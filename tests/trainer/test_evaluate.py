@@ -89,6 +89,9 @@ def test_eval_of_a_run_folder_takes_its_newest_complete_checkpoint_and_refuses_a
         eval_main([str(newest), data])
     with pytest.raises(ConfigError, match=r"^reinforge eval: model folder .*step_000002/hf is half-written"):
         eval_main([str(newest / "hf"), data])
+    weights.unlink()  # removed to save space: export writes the model from actor_state.pt
+    with pytest.raises(ConfigError, match=r"^reinforge eval: .*step_000002/hf holds no weights; run `reinforge export"):
+        eval_main([str(newest), data])
     (older / "hf" / "config.json").write_text((older / "hf" / "config.json").read_text().replace(
         '"intermediate_size": ', '"intermediate_size": 1'))  # shapes the weights do not have
     with pytest.raises(ConfigError, match=r"^reinforge eval: .*step_000001/hf: its weights do not fit its "
