@@ -356,7 +356,8 @@ class RefConfig:
 @dataclass
 class CriticConfig(UpdateConfig):
     enable: Optional[bool] = None
-    """None enables the critic exactly when algorithm.adv_estimator is gae."""
+    """None enables the critic exactly when algorithm.adv_estimator is gae. true beside an estimator that reads no
+    values (grpo, rloo, ...) trains the critic as verl does, for its critic/* metrics alone (a warning at start)."""
     model_path: Optional[str] = None
     """Defaults to model.path (a value head is added). The critic reads the policy's token ids, so its model must
     share the policy's tokenizer (a run refuses another before any model loads)."""
