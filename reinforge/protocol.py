@@ -14,6 +14,7 @@ a plain dict of tensors pickles efficiently (torch shares storage in pickles).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,16 @@ from torch import Tensor
 MULTI_MODAL_KEY = "multi_modal_inputs"
 """Non-tensor column of a vision-language batch: per row, ``{"pixel_values": (patches, patch dim),
 "image_grid_thw": (images, 3)}`` of the row's images in order ({} for a row without images)."""
+
+EMPTY_VALUES = "empty_values"
+"""Meta key of a batch's optional non-tensor columns: column -> the value of a row without one. A worker that adds
+a column only where some of its rows have a value (a scorer's extras) names it here, so that ``Batch.concat`` fills
+the column of a batch that lacks it (a member's share whose rows had none) as one batch of all the rows has it.
+``MULTI_MODAL_KEY`` is always optional, {} for a row without images."""
+
+LEFT_PADDED = "left_padded"
+"""Meta key of a batch's tensors left-padded along their second dimension (prompt-side tokens): column -> the padding
+value. ``Batch.concat`` pads the narrower ones to the widest, as one batch of all the rows pads them."""
 
 SAMPLE_INDEX_KEY = "sample_index"
 """Non-tensor column: each row's index among the samples of its prompt (its ``uid``). A sample's seed comes from it,
@@ -157,7 +168,11 @@ class Batch:
             if key in non_tensors and not np.array_equal(non_tensors[key], value):
                 raise ValueError(f"union: column {key!r} differs between the two batches")
             non_tensors[key] = value
-        return Batch(tensors, non_tensors, {**self.meta, **other.meta})
+        meta = {**self.meta, **other.meta}
+        for name in (EMPTY_VALUES, LEFT_PADDED):  # the columns of both
+            if name in self.meta and name in other.meta:
+                meta[name] = {**self.meta[name], **other.meta[name]}
+        return Batch(tensors, non_tensors, meta)
 
     def __or__(self, other: Batch) -> Batch:
         return self.union(other)
@@ -174,19 +189,43 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Rows of all batches in order; meta comes from the first."""
+        """Rows of all batches in order; meta comes from the first (its ``EMPTY_VALUES`` and ``LEFT_PADDED`` are
+        those of all).
+
+        Every batch must have the same columns, except an optional non-tensor column (``EMPTY_VALUES``), which a
+        batch that lacks it gets with the empty value on each row; tensors must have the same shape past the rows,
+        except those ``LEFT_PADDED``, padded on the left to the widest. Anything else is refused, naming the column.
+        """
         if not batches:
             raise ValueError("cannot concatenate an empty list of batches")
-        first = batches[0]
-        for other in batches[1:]:
-            if set(other.keys()) != set(first.keys()):
-                raise ValueError(f"cannot concatenate batches with columns {sorted(first.keys())} "
-                                 f"and {sorted(other.keys())}")
-        return Batch(
-            {key: torch.cat([b.tensors[key] for b in batches]) for key in first.tensors},
-            {key: np.concatenate([b.non_tensors[key] for b in batches]) for key in first.non_tensors},
-            dict(first.meta),
-        )
+        declared_empty, left_padded = _declared(batches, EMPTY_VALUES), _declared(batches, LEFT_PADDED)
+        empty_values = {MULTI_MODAL_KEY: {}} | declared_empty
+        columns = list(dict.fromkeys(key for batch in batches for key in batch.keys()))
+        tensors: dict[str, Tensor] = {}
+        non_tensors: dict[str, np.ndarray] = {}
+        for key in columns:
+            lacking = [index for index, batch in enumerate(batches) if key not in batch]
+            is_tensor = [index for index, batch in enumerate(batches) if key in batch.tensors]
+            if is_tensor and len(is_tensor) != len(batches) - len(lacking):
+                raise ValueError(f"cannot concatenate batches whose column {key!r} is a tensor in batches "
+                                 f"{is_tensor} and not in the others")
+            if lacking and (is_tensor or key not in empty_values):
+                raise ValueError(
+                    f"cannot concatenate batches with different columns: {key!r} is missing from batches {lacking} "
+                    f"of {len(batches)}; a column a worker adds only for some rows must be on every row of every "
+                    f"batch (its empty value on a row without one), or named in meta {EMPTY_VALUES!r}")
+            if is_tensor:
+                tensors[key] = _cat_tensors(key, [batch.tensors[key] for batch in batches], left_padded)
+            else:
+                non_tensors[key] = np.concatenate([
+                    batch.non_tensors[key] if key in batch.non_tensors
+                    else _as_object_array([copy.copy(empty_values[key]) for _ in range(len(batch))])
+                    for batch in batches])
+        meta = dict(batches[0].meta)
+        for name, declared in ((EMPTY_VALUES, declared_empty), (LEFT_PADDED, left_padded)):
+            if declared:
+                meta[name] = declared
+        return Batch(tensors, non_tensors, meta)
 
     def split(self, num_chunks: int) -> list[Batch]:
         """``num_chunks`` batches of equal size, padding with copies of the first rows.
@@ -228,6 +267,46 @@ class Batch:
         columns = [f"{key}: {tuple(value.shape)} {value.dtype}" for key, value in self.tensors.items()]
         columns += [f"{key}: ({len(value)},) object" for key, value in self.non_tensors.items()]
         return f"Batch({len(self)} rows; " + ", ".join(columns) + f"; meta={sorted(self.meta)})"
+
+
+def _same_value(first: Any, second: Any) -> bool:
+    if first is second:
+        return True
+    if isinstance(first, float) and isinstance(second, float) and np.isnan(first) and np.isnan(second):
+        return True
+    try:
+        return type(first) is type(second) and bool(first == second)
+    except Exception:  # noqa: BLE001 - values without a plain equality (arrays) differ unless identical
+        return False
+
+
+def _declared(batches: Sequence[Batch], name: str) -> dict[str, Any]:
+    """The union of the batches' meta ``name`` (``EMPTY_VALUES`` or ``LEFT_PADDED``); two batches that declare a
+    column with different values are refused."""
+    declared: dict[str, Any] = {}
+    owners: dict[str, int] = {}
+    for index, batch in enumerate(batches):
+        for key, value in (batch.meta.get(name) or {}).items():
+            if key in owners and not _same_value(declared[key], value):
+                raise ValueError(f"cannot concatenate batches whose meta {name!r} disagree on column {key!r}: "
+                                 f"{declared[key]!r} in batch {owners[key]}, {value!r} in batch {index}")
+            declared[key] = value
+            owners.setdefault(key, index)
+    return declared
+
+
+def _cat_tensors(key: str, values: list[Tensor], left_padded: Mapping[str, Any]) -> Tensor:
+    """``values`` concatenated over the rows; a ``LEFT_PADDED`` column's narrower values padded on the left first."""
+    shapes = [tuple(value.shape[1:]) for value in values]
+    if len(set(shapes)) > 1:
+        same_past_width = len({(len(shape), shape[1:]) for shape in shapes}) == 1 and len(shapes[0]) >= 1
+        if key not in left_padded or not same_past_width:
+            raise ValueError(f"cannot concatenate column {key!r}: its batches have shapes past the rows {shapes}"
+                             + ("" if key in left_padded else f", and it is not named in meta {LEFT_PADDED!r}"))
+        width = max(shape[0] for shape in shapes)
+        values = [torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (width - value.shape[1], 0),
+                                          value=left_padded[key]) for value in values]
+    return torch.cat(values)
 
 
 def samples_of(prompts: Batch, n: int) -> Batch:

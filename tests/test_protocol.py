@@ -83,6 +83,32 @@ def test_boolean_mask_and_index_list():
 def test_concat_rejects_different_columns():
     with pytest.raises(ValueError, match="columns"):
         Batch.concat([make_batch(2), make_batch(2).select(["uid"])])
+    with pytest.raises(ValueError, match="'input_ids' is missing from batches \\[0\\]"):
+        Batch.concat([make_batch(2).select(["uid"]), make_batch(2)])
+
+
+def test_concat_fills_an_optional_column_a_batch_lacks_and_pads_left_padded_tensors():
+    """Batches whose rows differ (a member's share): a column only some have, named in meta EMPTY_VALUES (the images
+    column always), gets its empty value on the others' rows in either order; a LEFT_PADDED tensor is padded on the
+    left to the widest; a tensor of other widths not so named, or a clash of empty values, is refused by name."""
+    from reinforge.protocol import EMPTY_VALUES, LEFT_PADDED, MULTI_MODAL_KEY
+
+    image = {"pixel_values": torch.ones(4, 2), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    plain = Batch.from_dict(tensors={"prompts": torch.ones(2, 2, dtype=torch.long)}, non_tensors={"uid": ["a", "b"]},
+                            meta={LEFT_PADDED: {"prompts": 0}})
+    rich = Batch.from_dict(tensors={"prompts": torch.full((2, 3), 5)},
+                           non_tensors={"uid": ["c", "d"], MULTI_MODAL_KEY: [image, {}], "reward_acc": [True, False]},
+                           meta={EMPTY_VALUES: {"reward_acc": None}})
+    merged, reverse = Batch.concat([plain, rich]), Batch.concat([rich, plain])
+    assert list(merged[MULTI_MODAL_KEY]) == [{}, {}, image, {}] and list(merged["reward_acc"]) == [None, None, True, False]
+    assert list(reverse["reward_acc"]) == [True, False, None, None] and list(reverse["uid"]) == ["c", "d", "a", "b"]
+    assert merged["prompts"].tolist() == [[0, 1, 1], [0, 1, 1], [5, 5, 5], [5, 5, 5]]
+    assert merged.meta[EMPTY_VALUES] == {"reward_acc": None} and merged.meta[LEFT_PADDED] == {"prompts": 0}
+    with pytest.raises(ValueError, match="'prompts'.*not named in meta 'left_padded'"):
+        Batch.concat([Batch.from_dict(tensors={"prompts": torch.ones(1, 2)}), Batch.from_dict(tensors={"prompts": torch.ones(1, 3)})])
+    clash = Batch.from_dict(non_tensors={"uid": ["e"], "reward_acc": [1]}, meta={EMPTY_VALUES: {"reward_acc": 0}})
+    with pytest.raises(ValueError, match="'reward_acc'"):
+        Batch.concat([rich.select(["uid", "reward_acc"]), clash])
 
 
 def test_setitem_pop_and_to():

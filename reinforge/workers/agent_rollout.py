@@ -19,7 +19,7 @@ from reinforge.agent import AgentLoopOutput, agent_name_of
 from reinforge.agent.runner import tool_call_counts
 from reinforge.data.prompt_loader import AGENT_LOOPS
 from reinforge.engine.forward import build_position_ids
-from reinforge.protocol import MULTI_MODAL_KEY, SAMPLE_INDEX_KEY, Batch
+from reinforge.protocol import LEFT_PADDED, MULTI_MODAL_KEY, SAMPLE_INDEX_KEY, Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.rollout.noise import sample_seed
 
@@ -76,7 +76,9 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
     """prompts (left-padded), responses (right-padded), response_mask, attention_mask, position_ids, input_ids,
     rollout_log_probs, finished_by_stop; non-tensors num_turns, tool_rewards, agent_reward_score and tool_call_counts
     (``agent.runner.tool_call_counts``: the calls that reached a tool, and those that failed), and, when a trajectory
-    has images, each one's (its prompt's and its tool turns', ``MULTI_MODAL_KEY``; {} for a row without)."""
+    has images, each one's (its prompt's and its tool turns', ``MULTI_MODAL_KEY``; {} for a row without). The prompt-side
+    tensors are padded to the longest of ``prompt_width`` and the trajectories' prompts (an agent may render its own)
+    and named in meta ``LEFT_PADDED``, so that members' shares padded to other widths concatenate."""
     num_rows = len(outputs)
     prompt_width = max(prompt_width, *(len(output.prompt_ids) for output in outputs))
     prompts = np.full((num_rows, prompt_width), pad_token_id, dtype=np.int64)
@@ -99,7 +101,9 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
     prompts_t, responses_t = torch.from_numpy(prompts), torch.from_numpy(responses)
     attention_mask = torch.cat([torch.from_numpy(prompt_mask), torch.from_numpy(in_response)], dim=1)
     images = {MULTI_MODAL_KEY: [output.multi_modal_inputs or {} for output in outputs]} \
-        if any(output.multi_modal_inputs for output in outputs) else {}
+        if any(output.multi_modal_inputs for output in outputs) else {}  # another member's rows may have some
+    # an agent may build its own prompt, longer than the batch's: another member's share may be padded wider
+    left_padded = {"prompts": pad_token_id, "input_ids": pad_token_id, "attention_mask": 0, "position_ids": 0}
     return Batch.from_dict(
         tensors={"prompts": prompts_t, "responses": responses_t, "response_mask": torch.from_numpy(response_mask),
                  "input_ids": torch.cat([prompts_t, responses_t], dim=1), "attention_mask": attention_mask,
@@ -109,4 +113,5 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
                      "tool_rewards": [list(output.extra.get("tool_rewards", [])) for output in outputs],
                      "agent_reward_score": [output.reward_score for output in outputs],
                      "tool_call_counts": [tool_call_counts(output) for output in outputs], **images},
+        meta={LEFT_PADDED: left_padded},
     )

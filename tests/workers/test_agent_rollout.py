@@ -312,9 +312,9 @@ class _FakeToolTrajectories:
                 for row, count in zip(rows, raised, strict=True)]
 
 
-def _tool_rows_worker():
-    """A generating worker whose rollout side runs ``_FakeToolTrajectories`` instead of a model (engine, weights
-    and tokenizer stand-ins): its agent path and its tool failure check are the real ones."""
+def _tool_rows_worker(runner: type = _FakeToolTrajectories):
+    """A generating worker whose rollout side runs ``runner`` (``_FakeToolTrajectories``) instead of a model (engine,
+    weights and tokenizer stand-ins): its agent path and its tool failure check are the real ones."""
     import contextlib
     from types import SimpleNamespace
 
@@ -329,7 +329,7 @@ def _tool_rows_worker():
             side.tokenizer = SimpleNamespace(pad_token_id=0)
             side.rollout_engine = SimpleNamespace(sleep=lambda abandon=False: None, generate=lambda requests: [])
             side.weights = SimpleNamespace(awake=lambda phases: contextlib.nullcontext())
-            side.rollout_model, side.agent_runner = None, _FakeToolTrajectories()
+            side.rollout_model, side.agent_runner = None, runner()
             side.tool_failure_check = ToolFailureCheck(sorted(side.agent_runner.tools))
             self.side = side
 
@@ -411,6 +411,54 @@ def test_each_row_of_an_uneven_split_runs_its_trajectory_once(rows, members):
     assert sorted(_FakeToolTrajectories.ran) == [f"u{row}/0" for row in range(rows)]
     assert len(output) == rows and output["num_turns"].tolist() == [4] * rows
     assert output.meta["rollout_metrics"]["agent/tool_raised"] == 0
+
+
+class _ImageTrajectories(_FakeToolTrajectories):
+    """Each row's trajectory carries its prompt's images (a tool's, where its ``extra_info`` names ``tool_image``),
+    and its prompt is the row's as many times as ``extra_info`` says (an agent that renders its own prompt)."""
+
+    def run(self, rows, samplings, client):
+        from reinforge.agent import AgentLoopOutput
+        from reinforge.protocol import MULTI_MODAL_KEY
+
+        return [AgentLoopOutput(row["prompt_ids"] * row["extra_info"].get("prompt_copies", 1), [7, 8], [1, 1],
+                                [0.0, 0.0], num_turns=2,
+                                multi_modal_inputs=row.get(MULTI_MODAL_KEY) or row["extra_info"].get("tool_image"))
+                for row in rows]
+
+
+@pytest.mark.parametrize("with_images", [[2, 3], [0, 1]])
+@pytest.mark.parametrize("where", ["prompt", "tool"])
+def test_members_whose_shares_differ_in_images_or_prompt_widths_gather_the_one_member_batch(with_images, where):
+    """Four tool rows of which only some have images (the prompt's, or a tool's with text prompts), or whose agents
+    render prompts of other lengths: on two members, whose shares then have the images column or not and prompts of
+    other widths, the gathered batch is the one member's, images and padding included."""
+    from reinforge.controller import WorkerGroup
+    from reinforge.protocol import MULTI_MODAL_KEY
+
+    image = {"pixel_values": torch.ones(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    images = [image if row in with_images else {} for row in range(4)]
+    extra = [{"prompt_copies": 1 + (row in with_images)} for row in range(4)]
+    columns = {"uid": [f"u{row}" for row in range(4)], "agent_name": ["tool_agent"] * 4}
+    if where == "prompt":
+        columns[MULTI_MODAL_KEY] = images
+    else:
+        extra = [info | ({"tool_image": images[row]} if images[row] else {}) for row, info in enumerate(extra)]
+    prompts = Batch.from_dict(tensors={"input_ids": torch.arange(12).reshape(4, 3) + 1,
+                                       "attention_mask": torch.ones(4, 3, dtype=torch.long)},
+                              non_tensors=columns | {"extra_info": extra})
+    gathered = []
+    for members in (1, 2):
+        group = WorkerGroup(_tool_rows_worker(_ImageTrajectories), num_members=members, timeout_s=30)
+        try:
+            gathered.append(group.generate(prompts, SamplingParams(max_tokens=4), 0))
+        finally:
+            group.shutdown()
+    alone, split = gathered
+    assert list(split[MULTI_MODAL_KEY]) == list(alone[MULTI_MODAL_KEY]) == images
+    assert split["prompts"].shape[1] == 6
+    for name, value in alone.tensors.items():
+        assert torch.equal(split[name], value), name
 
 
 def test_a_share_of_padding_alone_reports_no_rate_of_its_own():
