@@ -106,7 +106,10 @@ def fp8_kv_cache_runs_here(config: Config) -> bool:
         return True
     from reinforge.rollout.native.kv_quant import fp8_device_refusal
 
-    return fp8_device_refusal(torch.device("cuda", torch.cuda.current_device())) is None
+    try:
+        return fp8_device_refusal(torch.device("cuda", torch.cuda.current_device())) is None
+    except (RuntimeError, AssertionError):  # a GPU torch cannot ask (no CUDA build, a broken driver): not known here
+        return True
 
 
 def prefill_forward_tokens(config: Config) -> int:
