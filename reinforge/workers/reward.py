@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.controller.dispatch import PADDING_ROWS, ROW_MEANS, SUMMED_METRICS
 from reinforge.models import load_tokenizer
-from reinforge.protocol import Batch
+from reinforge.protocol import EMPTY_VALUES, Batch
 from reinforge.reward.manager import RewardManager, ScorerFailure, all_failed_message
 
 REWARD_TOTALS = ("reward/errors", "reward/timeouts", "reward/memory_exceeded", "reward/overlong/count")
@@ -50,6 +51,9 @@ class RewardWorker(Worker):
         output = self.manager.score(batch, raise_when_all_failed=alone,
                                     padding_rows=int(batch.meta.get(PADDING_ROWS, 0)))
         scored = output.to_batch()
+        # a row without a scorer's extra or a logged value has None or NaN; another member's rows may have none at all
+        scored.meta[EMPTY_VALUES] = {**{f"reward_{key}": None for key in output.extras},
+                                     **{key: math.nan for key in output.logged_metrics}}
         if not alone:
             scored[SCORER_FAILURES] = np.array(output.failures, dtype=object)
             scored.meta[SCORER_FAILURES] = dict(output.failure_report)

@@ -136,3 +136,34 @@ def test_a_members_padding_rows_call_no_scorer(monkeypatch, rows, members):
         assert scored["token_level_scores"].sum(-1).tolist() == [2.0] + [1.0] * (rows - 1)
         assert scored["rewards/per_sample"].tolist() == [1.0] + [0.0] * (rows - 1)
         assert scored["reward_acc"].tolist() == [True] + [False] * (rows - 1)
+
+
+@pytest.mark.parametrize("texts", [["b", "b", "a", "a"], ["a", "a", "b", "b"]])
+def test_extras_and_logged_values_of_some_rows_gather_as_on_one_member(monkeypatch, texts):
+    """A scorer that returns extras (acc) only for some rows, and a batch function that logs a value only for some:
+    on two members one share has the columns and the other not; gathered, each row without one has None (an extra)
+    or NaN (a value its call logged none of), as a row without one has on one member."""
+    import math
+
+    tokenizer = build_byte_tokenizer()
+    monkeypatch.setattr(reward, "load_tokenizer", lambda *args, **kwargs: tokenizer)
+
+    def per_sample(solution_str, ground_truth, extra_info=None):
+        return {"score": 1.0, "acc": True} if solution_str == "a" else 0.0
+
+    def logged(completions, log_metric, **kwargs):
+        if "a" in completions:
+            log_metric("a_seen", 1.0)
+        return [0.0] * len(completions)
+
+    config = Config()
+    config.reward = RewardConfig(num_workers=0)
+    batch = make_batch(tokenizer, texts, ["0"] * 4, ["x"] * 4)
+    group = WorkerGroup(reward.RewardWorker, config, [per_sample, logged], num_members=2, timeout_s=30)
+    try:
+        scored = reward.raise_if_every_row_failed(group.score(batch))
+    finally:
+        group.shutdown()
+    assert scored["reward_acc"].tolist() == [True if text == "a" else None for text in texts]
+    assert [math.isnan(value) for value in scored["logged_metric/a_seen"]] == [text == "b" for text in texts]
+    assert scored["token_level_scores"].sum(-1).tolist() == [float(text == "a") for text in texts]
