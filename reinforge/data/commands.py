@@ -67,6 +67,9 @@ def _run_retool(args: argparse.Namespace) -> int:
 
 
 def _run_arithmetic(args: argparse.Namespace) -> int:
+    for flag, count in (("--num-train", args.num_train), ("--num-test", args.num_test)):
+        if count < 1:  # 0 wrote a parquet file of no rows and no columns; a negative count hundreds of rows
+            raise ValueError(f"{flag} {count} (command line) must be at least 1: the number of problems to write")
     written = write_arithmetic_dataset(args.out, args.num_train, args.num_test, args.seed, args.min_digits,
                                        args.max_digits, tuple(args.operators))
     for name, path in written.items():

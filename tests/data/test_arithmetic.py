@@ -48,6 +48,16 @@ def test_asking_for_more_problems_than_exist_is_an_error():
         generate_problems(500, "train", max_digits=1, operators=("+",))
     with pytest.raises(ValueError, match="operators"):
         generate_problems(5, "train", operators=("*",))
+    with pytest.raises(ValueError, match=r"^num_problems=-5 must be 0 or more$"):  # it returned hundreds of problems
+        generate_problems(-5, "train")
+
+
+@pytest.mark.parametrize("flags", [["--num-train", "0"], ["--num-test", "-5"]])
+def test_the_command_refuses_no_problems_before_writing_any_file(tmp_path, flags):
+    """--num-train 0 wrote parquet files of no rows and no columns; --num-test -5 hundreds of rows."""
+    with pytest.raises(ValueError, match=rf"^{flags[0]} {flags[1]} \(command line\) must be at least 1"):
+        data_main(["arithmetic", "--out", str(tmp_path / "out"), *flags])
+    assert not (tmp_path / "out").exists()
 
 
 def test_rl_and_sft_rows():

@@ -57,6 +57,8 @@ def generate_problems(num_problems: int, split: str, seed: int = 0, min_digits: 
     """``num_problems`` distinct problems of ``split``, each operand with min..max digits."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    if num_problems < 0:
+        raise ValueError(f"num_problems={num_problems} must be 0 or more")
     unknown = [operator for operator in operators if operator not in OPERATORS]
     if unknown or not operators:
         raise ValueError(f"operators {list(operators)} must be a non-empty selection of {', '.join(OPERATORS)}")
