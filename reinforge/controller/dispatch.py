@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from reinforge.controller.register import Dispatch, MethodSpec
-from reinforge.protocol import Batch
+from reinforge.protocol import EMPTY_VALUES, LEFT_PADDED, Batch
 
 Arguments = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -142,6 +142,8 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
     row_means = {name for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
+        if key in (EMPTY_VALUES, LEFT_PADDED):  # columns, not metrics: Batch.concat took those of every chunk
+            continue
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):
             merged.meta[key] = average_metrics(values, summed, {name: counted for name in row_means})
     return merged

@@ -434,7 +434,7 @@ def test_members_whose_shares_differ_in_images_or_prompt_widths_gather_the_one_m
     render prompts of other lengths: on two members, whose shares then have the images column or not and prompts of
     other widths, the gathered batch is the one member's, images and padding included."""
     from reinforge.controller import WorkerGroup
-    from reinforge.protocol import MULTI_MODAL_KEY
+    from reinforge.protocol import LEFT_PADDED, MULTI_MODAL_KEY
 
     image = {"pixel_values": torch.ones(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
     images = [image if row in with_images else {} for row in range(4)]
@@ -456,7 +456,7 @@ def test_members_whose_shares_differ_in_images_or_prompt_widths_gather_the_one_m
             group.shutdown()
     alone, split = gathered
     assert list(split[MULTI_MODAL_KEY]) == list(alone[MULTI_MODAL_KEY]) == images
-    assert split["prompts"].shape[1] == 6
+    assert split["prompts"].shape[1] == 6 and repr(split.meta[LEFT_PADDED]) == repr(alone.meta[LEFT_PADDED])
     for name, value in alone.tensors.items():
         assert torch.equal(split[name], value), name
 
