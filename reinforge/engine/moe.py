@@ -482,6 +482,31 @@ def declares_experts(model_config) -> bool:
                for name in EXPERT_COUNTS)
 
 
+def routed_layers(model_config) -> int | None:
+    """How many decoder layers of ``model_config`` route to experts, by the rules transformers builds them with
+    (``mlp_only_layers`` and ``decoder_sparse_step``; ``first_k_dense_replace`` and ``moe_layer_freq``); None where
+    the config says neither (every layer of such a family is a mixture of experts)."""
+    text = text_config(model_config)
+    layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return None
+    step, dense = getattr(text, "decoder_sparse_step", None), getattr(text, "mlp_only_layers", None)
+    if isinstance(step, int) or isinstance(dense, list | tuple):
+        step = step if isinstance(step, int) and step > 0 else 1
+        dense = set(dense) if isinstance(dense, list | tuple) else set()
+        return sum(1 for layer in range(layers) if layer not in dense and (layer + 1) % step == 0)
+    first = getattr(text, "first_k_dense_replace", None)
+    if isinstance(first, int):
+        frequency = getattr(text, "moe_layer_freq", 1)
+        frequency = frequency if isinstance(frequency, int) and frequency > 0 else 1
+        return sum(1 for layer in range(first, layers) if layer % frequency == 0)
+    return None
+
+
+ALL_DENSE = ("layers are all dense (no layer routes to experts: see mlp_only_layers, decoder_sparse_step or "
+             "first_k_dense_replace in its config.json)")
+
+
 def _declared_coef(text) -> float:
     """The aux loss weight a model config declares: ``router_aux_loss_coef``, or JetMoE's ``aux_loss_coef``."""
     for name in ("router_aux_loss_coef", "aux_loss_coef"):
@@ -506,9 +531,12 @@ def trained_aux_loss_coef(model: nn.Module, recorder: RouterRecorder | None, con
     says why) is refused in one line rather than trained as 0."""
     coef = router_aux_loss_coef(model.config, configured, key)
     if coef > 0 and recorder is None:
+        modules = list(model.modules())
+        why = ("routers are not recorded (see the line above)" if moe_routers(model, modules)
+               or _unfused_router_class(model, modules) is not None
+               else ALL_DENSE)
         raise ValueError(f"{_coef_source(key, configured, coef)} asks for a load-balancing loss, but "
-                         f"{type(model).__name__}'s routers are not recorded (see the line above), so none would be "
-                         f"added; set {key}=0 to train without one")
+                         f"{type(model).__name__}'s {why}, so none would be added; set {key}=0 to train without one")
     return coef
 
 

@@ -42,7 +42,7 @@ from reinforge.config.validate import choose, model_score_source, validate_confi
 from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules, require_peft
 from reinforge.engine.memory_plan import ModelShape, check_model_config
-from reinforge.engine.moe import declares_experts, router_aux_loss_coef
+from reinforge.engine.moe import ALL_DENSE, declares_experts, routed_layers, router_aux_loss_coef
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context, warn_if_rollout_parts_from_training
 from reinforge.models.loading import (
@@ -168,9 +168,14 @@ def check_router_aux_loss_has_experts(key: str, value: float | str | None, model
                           f"is a {model_config.model_type!r} model without experts, which has no router to balance; "
                           f"remove {key} or set it to 0")
     try:
-        router_aux_loss_coef(model_config, value, key)
+        coef = router_aux_loss_coef(model_config, value, key)
     except ValueError as error:
         raise ConfigError(f"{error} (model.path={model.path})") from None
+    if coef > 0 and routed_layers(model_config) == 0:
+        source = f"{key}={value}" if weighed else f"the model config's router_aux_loss_coef={coef} ({key}={value})"
+        raise ConfigError(f"{source} weighs a mixture of experts' load-balancing loss, but model.path={model.path} is a "
+                          f"{model_config.model_type!r} model whose {ALL_DENSE}, so there is no router to balance; "
+                          f"set {key}=0")
 
 
 def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:

@@ -535,3 +535,34 @@ def test_pooled_routing_metrics_are_the_whole_batchs_not_a_mean_over_micro_batch
     assert first.unused_experts.item() == second.unused_experts.item() == 1.0  # the per-micro-batch mean says 1
     pooled = pooled_routing_metrics(first.expert_counts + second.expert_counts, "actor")
     assert pooled == {"actor/moe/load_imbalance": 1.0, "actor/moe/unused_experts": 0.0}
+
+
+@pytest.mark.parametrize(("model_type", "dense", "routed"), [
+    ("qwen3_moe", {"mlp_only_layers": [0, 1]}, {"mlp_only_layers": [1]}),
+    ("qwen3_moe", {"decoder_sparse_step": 3}, {"decoder_sparse_step": 2}),
+    ("deepseek_v3", {"first_k_dense_replace": 2, "num_key_value_heads": 4},
+     {"first_k_dense_replace": 1, "num_key_value_heads": 4})])
+def test_an_aux_loss_for_experts_no_layer_routes_to_is_refused_before_the_model_loads(tmp_path, model_type, dense,
+                                                                                      routed):
+    """A mixture-of-experts config whose every layer is dense: the weight is refused by preflight from config.json,
+    and a loaded model's refusal says why there is no router (it pointed at a line above that was never printed)."""
+    from reinforge.config import ConfigError
+    from reinforge.config.schema import ModelConfig
+    from reinforge.engine.moe import routed_layers
+    from reinforge.trainer.preflight import check_router_aux_loss_has_experts
+
+    model = tiny_family(model_type, num_hidden_layers=2, **dense)
+    assert routed_layers(model.config) == 0
+    assert routed_layers(tiny_family(model_type, num_hidden_layers=2, **routed).config) == 1
+    assert prepare_moe_training(model) == (None, None)
+    with pytest.raises(ValueError, match=r"^actor.router_aux_loss_coef=0.01 asks .* layers are all dense .* set actor"):
+        trained_aux_loss_coef(model, None, 0.01, "actor.router_aux_loss_coef")
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"^actor.router_aux_loss_coef=0.01 .* model whose layers are all dense .* "
+                                          r"set actor.router_aux_loss_coef=0$"):
+        check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.01, ModelConfig(path=str(tmp_path)))
+    check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.0, ModelConfig(path=str(tmp_path)))
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.02  # the config asks
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"^the model config's router_aux_loss_coef=0.02 .* all dense"):
+        check_router_aux_loss_has_experts("actor.router_aux_loss_coef", None, ModelConfig(path=str(tmp_path)))
