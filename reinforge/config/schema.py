@@ -321,10 +321,10 @@ class RolloutConfig:
     long sample recomputed) runs in chunks, each attending to the ones before through the KV cache, so its
     activation memory stays bounded. None: 16384, the prefill step size the engine reserves memory for."""
     kv_cache_dtype: str = "auto"
-    """Native engine: auto keeps the KV cache in the model dtype; fp8 stores e4m3 keys and values with a float32
-    scale per token and KV head (about twice the tokens in the same memory and half the bytes read per decode step,
-    though on an H200 its decode is slower than bf16's; at some log-prob mismatch against the trainer: see
-    docs/long_responses.md). Not for MLA models."""
+    """Native engine: auto (or bf16, for a bfloat16 model) keeps the KV cache in the model dtype; fp8 (or fp8_e4m3)
+    stores e4m3 keys and values with a float32 scale per token and KV head (about twice the tokens in the same memory
+    and half the bytes read per decode step, though on an H200 its decode is slower than bf16's; at some log-prob
+    mismatch against the trainer: see docs/long_responses.md). Not for MLA models."""
     shared_prefix_decode: bool = False
     """Native engine on a GPU: true: a decode step reads the cache blocks several sequences share (the prompt's whole
     blocks of its n samples) once for all of them, and each sample's attention goes on over its own blocks; false (the

@@ -52,6 +52,25 @@ def choose(key: str, value: object, choices: tuple[str, ...] | list[str] | None 
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
+KV_CACHE_DTYPE_NAMES = {"bf16": "auto", "bfloat16": "auto", "fp8_e4m3": "fp8"}
+"""Other names of ``rollout.kv_cache_dtype``'s values: bf16 is the default's cache (the model's dtype, bfloat16), and
+fp8_e4m3 is vLLM's name of fp8."""
+
+
+def _kv_cache_dtype(config: Config) -> None:
+    """``rollout.kv_cache_dtype`` is one of its values or a name of one (``KV_CACHE_DTYPE_NAMES``), which becomes
+    that value; bf16 on a model run in another dtype is refused (the cache is the model's dtype or fp8)."""
+    value = config.rollout.kv_cache_dtype
+    if isinstance(value, str) and value.lower() in KV_CACHE_DTYPE_NAMES:
+        if value.lower() in ("bf16", "bfloat16") and config.model.dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"rollout.kv_cache_dtype={value} with model.dtype={config.model.dtype}: the native engine "
+                              "keeps the KV cache in the model's dtype (auto) or in fp8; set rollout.kv_cache_dtype="
+                              "auto, or model.dtype=bfloat16 for a bfloat16 cache")
+        config.rollout.kv_cache_dtype = KV_CACHE_DTYPE_NAMES[value.lower()]
+    choose("rollout.kv_cache_dtype", config.rollout.kv_cache_dtype,
+           (*CHOICES["rollout.kv_cache_dtype"], *KV_CACHE_DTYPE_NAMES))
+
+
 def _in_range(key: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise ConfigError(f"{key}={value} is out of range; it must be between {low:g} and {high:g}")
@@ -353,7 +372,7 @@ def validate_config(config: Config) -> None:
     if rollout.max_prefill_chunk_tokens is not None and rollout.max_prefill_chunk_tokens < 1:
         raise ConfigError(f"rollout.max_prefill_chunk_tokens={rollout.max_prefill_chunk_tokens} must be a positive "
                           "token count (or null: 16384)")
-    choose("rollout.kv_cache_dtype", rollout.kv_cache_dtype)
+    _kv_cache_dtype(config)
     choose("rollout.decode_products", rollout.decode_products)
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")

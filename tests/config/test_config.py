@@ -602,3 +602,18 @@ def test_a_whole_number_is_a_size_in_gib(tmp_path):
     config = load_config(path, ["rollout.kv_cache_gib=4"])
     assert (config.rollout.kv_cache_gib, config.actor.logits_buffer_gib) == (4.0, 2.0)
     assert load_config(None, ["rollout.kv_cache_gib=auto"]).rollout.kv_cache_gib == "auto"
+
+
+@pytest.mark.parametrize(("given", "kept"), [("bf16", "auto"), ("bfloat16", "auto"), ("BF16", "auto"),
+                                             ("fp8_e4m3", "fp8"), ("auto", "auto"), ("fp8", "fp8")])
+def test_the_kv_cache_dtype_takes_the_names_of_its_values(given, kept):
+    """bf16 names the default cache (the model's dtype, bfloat16) and fp8_e4m3 is vLLM's name of fp8."""
+    assert load_config(None, [f"rollout.kv_cache_dtype={given}"]).rollout.kv_cache_dtype == kept
+
+
+def test_a_bf16_kv_cache_for_a_model_run_in_another_dtype_or_an_unknown_cache_type_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_dtype=bf16 with model.dtype=float32: .* set "
+                                          r"rollout.kv_cache_dtype=auto, or model.dtype=bfloat16"):
+        load_config(None, ["rollout.kv_cache_dtype=bf16", "model.dtype=float32"])
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_dtype='int8' is not one of auto, fp8, bf16"):
+        load_config(None, ["rollout.kv_cache_dtype=int8"])
