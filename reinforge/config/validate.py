@@ -367,6 +367,9 @@ def validate_config(config: Config) -> None:
     for prefix, sampling in (("rollout", rollout), ("rollout.val_kwargs", rollout.val_kwargs)):
         if not 0.0 < sampling.top_p <= 1.0:
             raise ConfigError(f"{prefix}.top_p={sampling.top_p} must be in (0, 1]")
+        if sampling.top_k < -1:
+            raise ConfigError(f"{prefix}.top_k={sampling.top_k} must be a number of tokens (at least 1), or -1 (or 0) "
+                              "for all of them")
     if not 0.0 <= rollout.min_p <= 1.0:  # above 1 even the most likely token falls below the bar: nothing is left
         raise ConfigError(f"rollout.min_p={rollout.min_p} must be in [0, 1] (0: off)")
     if rollout.max_prefill_chunk_tokens is not None and rollout.max_prefill_chunk_tokens < 1:

@@ -436,6 +436,7 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     (["rollout.temperature=nan"], r"rollout.temperature=nan must be a finite number >= 0"),
     (["rollout.val_kwargs.temperature=-1"], r"rollout.val_kwargs.temperature=-1.0 must be a finite number >= 0"),
     (["rollout.val_kwargs.top_p=0"], r"rollout.val_kwargs.top_p=0.0 must be in \(0, 1\]"),
+    (["rollout.top_k=-5"], r"^rollout.top_k=-5 must be a number of tokens \(at least 1\), or -1 \(or 0\) for all"),
     (["rollout.min_p=2"], r"rollout.min_p=2.0 must be in \[0, 1\]"),
     (["reward.fallback_score=nan"], r"reward.fallback_score=nan must be a finite number"),
     (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8", "reward.overlong_buffer.penalty_factor=nan"],
