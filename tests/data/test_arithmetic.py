@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -103,3 +105,20 @@ def test_cli_writes_the_three_files(tmp_path):
                                               r"arithmetic writes its parquet files into a folder"):
         data_main(["arithmetic", "--out", str(tmp_path / "notes.txt")])
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_an_interrupted_write_leaves_no_cut_off_file(tmp_path, monkeypatch):
+    """A write that stops part way (Ctrl-C, a full disk) leaves the files written before it whole and no other."""
+    real = pq.write_table
+
+    def cut_off(table, where, **kwargs):
+        if "test" in Path(where).name:
+            Path(where).write_bytes(b"PAR1")
+            raise KeyboardInterrupt
+        return real(table, where, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        write_arithmetic_dataset(tmp_path, num_train=8, num_test=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["train.parquet"]
+    assert pq.read_table(tmp_path / "train.parquet").num_rows == 8

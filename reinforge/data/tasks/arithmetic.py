@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reinforge.atomic_files import replaced_atomically
+
 DATA_SOURCE = "arithmetic"
 ANSWER_FORMAT = "Answer with the number only."
 OPERATORS = ("+", "-")
@@ -146,7 +148,8 @@ def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_tes
         "sft_train": make_sft_rows(problems["train"], sft_wrong_sign_fraction, seed),
     }
     written = {}
-    for name, rows in tables.items():
+    for name, rows in tables.items():  # each file whole or not at all: an interrupted run leaves no cut-off table
         written[name] = str(out / f"{name}.parquet")
-        pq.write_table(pa.Table.from_pylist(rows), written[name])
+        with replaced_atomically(written[name], durable=False) as partial:
+            pq.write_table(pa.Table.from_pylist(rows), partial)
     return written
