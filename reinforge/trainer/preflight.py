@@ -444,7 +444,7 @@ def check_ray_cluster(config: Config, placement: RolePlacement | None = None) ->
     if config.trainer.backend != "ray":
         return
     from reinforge.controller.ray_backend import check_cluster_holds, connect_ray
-    from reinforge.trainer.rl_trainer import default_placement, roles_with_groups
+    from reinforge.trainer.placement import default_placement, roles_with_groups
 
     connect_ray(config.trainer.ray_address, device=config.trainer.device)
     placement = placement or default_placement(config)

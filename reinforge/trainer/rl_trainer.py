@@ -28,9 +28,9 @@ from reinforge.algorithms import (
     compute_advantages,
     compute_rollout_correction,
 )
-from reinforge.algorithms.roles import critic_enabled, reference_needed
+from reinforge.algorithms.roles import reference_needed
 from reinforge.config import Config, config_to_dict
-from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
+from reinforge.controller import RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
 from reinforge.data.loader_state import check_loader_resumes
 from reinforge.protocol import Batch, samples_of
@@ -45,6 +45,7 @@ from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.generative_rewards import JudgeScorer, RemoteScorer
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.modes import TrainerCalls, build_mode
+from reinforge.trainer.placement import default_placement, roles_with_groups
 from reinforge.trainer.preflight import preflight
 from reinforge.trainer.run_loop import DataExhausted, StepSkipped, TrainingRun
 from reinforge.trainer.seeds import step_seed
@@ -504,7 +505,6 @@ class RLTrainer(TrainingRun):
         self.release_run_folder()
 
 
-ROLES = ("actor_rollout", "ref", "critic", "reward", "reward_model", "judge", "rollout")
 STOP_WAIT_S = 2.0
 """After SIGTERM or Ctrl-C, how long a worker's running call (a step, a batch of slow scorers) may take to end."""
 
@@ -527,33 +527,6 @@ def resume_refuses(config: Config) -> tuple[str, ...]:
     if config.trainer.mode == "async":
         return RESUME_REFUSES + ("rollout.n", "trainer.trigger_sync_steps")
     return RESUME_REFUSES
-
-
-def default_placement(config: Config) -> RolePlacement:
-    """Every role on one pool of trainer.nnodes x trainer.devices_per_node devices: the hybrid-engine layout."""
-    trainer, reward_model = config.trainer, config.reward.reward_model
-    placement = RolePlacement.colocated(ROLES, ResourcePool("global", [trainer.devices_per_node] * trainer.nnodes))
-    if reward_model.enable and reward_model.enable_resource_pool:  # verl's standalone reward-model pool
-        placement.pools["reward_model"] = ResourcePool("reward_model", [reward_model.n_gpus_per_node] * reward_model.nnodes)
-        placement.role_to_pool["reward_model"] = "reward_model"
-    return placement
-
-
-def roles_with_groups(config: Config) -> list[str]:
-    """The roles that get worker groups of their own: a LoRA actor is its own reference, the policy its own judge."""
-    roles = ["actor_rollout"]
-    if reference_needed(config) and not config.model.lora.rank:
-        roles.append("ref")
-    if critic_enabled(config):
-        roles.append("critic")
-    roles.append("reward")
-    if config.reward.reward_model.enable:
-        roles.append("reward_model")
-    if config.reward.judge.enable and config.reward.judge.model_path != "policy":
-        roles.append("judge")
-    if config.trainer.mode != "sync" and config.trainer.separate_rollout:
-        roles.append("rollout")
-    return roles
 
 
 def _group_builder(config: Config, placement: RolePlacement, log_dir: Path,

@@ -10,8 +10,9 @@ import torch
 from reinforge.cli import main
 from reinforge.config import ConfigError, load_config
 from reinforge.controller import ResourcePool, RolePlacement
+from reinforge.trainer.placement import ROLES
 from reinforge.trainer.preflight import check_devices
-from reinforge.trainer.rl_trainer import ROLES, RLTrainer
+from reinforge.trainer.rl_trainer import RLTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 
