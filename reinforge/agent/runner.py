@@ -223,6 +223,15 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
     return metrics
 
 
+def agent_mean_rows(metrics: Iterable[str], outputs: list[AgentLoopOutput]) -> dict[str, float]:
+    """How many of ``outputs`` each mean of their ``agent_metrics`` is over: every trajectory, except the external
+    agents' ``agent/num_segments/mean``, over those that report segments (several workers' means are weighted by
+    these counts)."""
+    segments = sum("num_segments" in output.metrics for output in outputs)
+    return {name: float(segments if name == "agent/num_segments/mean" else len(outputs))
+            for name in metrics if name.endswith("/mean")}
+
+
 AGENT_TOTALS = tuple(f"agent/{name}" for name in ("tool_errors", "tool_raised", "tool_service_errors", "tool_calls_cut",
                                                   "tool_response_truncated", "tool_overflow", "budget_spent"))
 """``agent_metrics``' totals over the rollout's trajectories (with every ``agent/tool/<tool>/<name>``): several

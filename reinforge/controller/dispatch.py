@@ -11,7 +11,8 @@ DP_COMPUTE gathers member results by type:
     ``summed_metrics`` (totals over its rows: an agent loop's tool errors) are added up; any other
     meta value comes from rank 0, so per-row values belong in columns, not in meta; the names it lists in
     ``row_means`` (means over its rows that count: a fraction of its samples) are weighted by each member's rows,
-    padding left out, so that an uneven split gives the mean over the batch's rows;
+    padding left out, so that an uneven split gives the mean over the batch's rows (``row_means`` may instead map
+    each name to the number of rows its mean is over, for a mean over only some rows: the external agents' ones);
   - ``dict`` (metrics): numeric values are averaged over the members (each member saw an equal
     share of rows, padding included; names with the word ``max``, ``peak`` or ``slowest`` take the
     largest, with ``min`` the smallest), other values come from rank 0;
@@ -139,14 +140,21 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
                                     for chunk in kept])
     merged.meta.pop(PADDING_ROWS, None)
     summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
-    row_means = {name for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
+    weights = {name: [_rows_of_mean(chunk.meta.get(ROW_MEANS, ()), name, rows)
+                      for chunk, rows in zip(chunks, counted, strict=True)]
+               for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
     for key, value in chunks[0].meta.items():
         values = [chunk.meta.get(key) for chunk in chunks]
-        if key in (EMPTY_VALUES, LEFT_PADDED):  # columns, not metrics: Batch.concat took those of every chunk
-            continue
+        if key in (EMPTY_VALUES, LEFT_PADDED, ROW_MEANS):  # columns and names, not metrics (Batch.concat merged the
+            continue  # columns of every chunk)
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):
-            merged.meta[key] = average_metrics(values, summed, {name: counted for name in row_means})
+            merged.meta[key] = average_metrics(values, summed, weights)
     return merged
+
+
+def _rows_of_mean(row_means: Collection[str] | Mapping[str, float], name: str, counted: int) -> float:
+    """The rows a member's mean ``name`` is over: as its ``ROW_MEANS`` maps it, else its rows that count."""
+    return float(row_means[name]) if isinstance(row_means, Mapping) and name in row_means else float(counted)
 
 
 def padding_rows_of(rank: int, chunk_size: int, num_rows: int) -> int:
@@ -165,7 +173,8 @@ added up over the members instead of averaged."""
 
 ROW_MEANS = "row_means"
 """The meta key under which a member's ``Batch`` names the metrics of its meta dicts that are means over its rows
-that count (padding left out), weighted by those rows over the members instead of averaged."""
+that count (padding left out), weighted by those rows over the members instead of averaged; or maps each such name
+to the number of rows its mean is over, its weight."""
 
 
 def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str] = (),

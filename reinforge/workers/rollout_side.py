@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
-from reinforge.agent.runner import TOOL_CHECK_BY_CALLER, ToolFailureCheck, agent_totals
+from reinforge.agent.runner import TOOL_CHECK_BY_CALLER, ToolFailureCheck, agent_mean_rows, agent_totals
 from reinforge.config.schema import Config
 from reinforge.controller.dispatch import PADDING_ROWS, ROW_MEANS, SUMMED_METRICS
 from reinforge.engine.device import autocast_context, compute_dtype
@@ -453,8 +453,8 @@ class RolloutSide:
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         metrics = output.meta["rollout_metrics"]
         output.meta[SUMMED_METRICS] = agent_totals(metrics) + rollout_totals(metrics)  # several workers add them up
-        # the trajectories' means: several workers' are weighted by their trajectories
-        output.meta[ROW_MEANS] = tuple(name for name in trajectories if name.endswith("/mean"))
+        # the trajectories' means: several workers' are weighted by the trajectories each is over
+        output.meta[ROW_MEANS] = agent_mean_rows(trajectories, counted)
         if by_caller:
             output.meta[TOOL_CHECK_BY_CALLER] = list(self.tool_failure_check.tool_names)
         return output

@@ -461,6 +461,36 @@ def test_members_whose_shares_differ_in_images_or_prompt_widths_gather_the_one_m
         assert torch.equal(split[name], value), name
 
 
+class _SegmentTrajectories(_FakeToolTrajectories):
+    """Rows whose ``extra_info`` gives ``segments`` are an external agent's trajectories, which report them."""
+
+    def run(self, rows, samplings, client):
+        from reinforge.agent import AgentLoopOutput
+
+        return [AgentLoopOutput(row["prompt_ids"], [7, 8], [1, 1], [0.0, 0.0], num_turns=2,
+                                metrics={"num_segments": row["extra_info"]["segments"]}
+                                if "segments" in row["extra_info"] else {}) for row in rows]
+
+
+def test_a_mean_over_some_trajectories_is_the_one_member_mean_on_several():
+    """agent/num_segments/mean is over the external agents' trajectories alone: a share with one of them among four
+    rows and a share of four weigh 1 and 4 (not 4 and 4), so two members log the one-member mean (7/5, not 2)."""
+    from reinforge.controller import WorkerGroup
+
+    extra = [{"segments": 3.0}, {}, {}, {}] + [{"segments": 1.0}] * 4
+    prompts = Batch.from_dict(tensors={"input_ids": torch.ones(8, 3, dtype=torch.long),
+                                       "attention_mask": torch.ones(8, 3, dtype=torch.long)},
+                              non_tensors={"uid": [f"u{row}" for row in range(8)], "agent_name": ["tool_agent"] * 8,
+                                           "extra_info": extra})
+    for members in (1, 2):
+        group = WorkerGroup(_tool_rows_worker(_SegmentTrajectories), num_members=members, timeout_s=30)
+        try:
+            metrics = group.generate(prompts, SamplingParams(max_tokens=4), 0).meta["rollout_metrics"]
+        finally:
+            group.shutdown()
+        assert metrics["agent/num_segments/mean"] == pytest.approx(7 / 5) and metrics["num_turns/mean"] == 2
+
+
 def test_a_share_of_padding_alone_reports_no_rate_of_its_own():
     """The last member's share is padding alone: it generates nothing, so it reports no rollout/* rate or count for
     the group to average with the others' (a tokens_per_s of 0 would halve the group's)."""
