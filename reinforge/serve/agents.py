@@ -24,6 +24,8 @@ import inspect
 import itertools
 import json
 import logging
+import math
+import numbers
 import os
 import shlex
 import signal
@@ -125,6 +127,11 @@ class OpenAIAgentLoop(AgentLoop):
                 if not scope.expired():
                     raise
                 session.ended = session.ended or "timeout"
+                if not session.records:
+                    raise RuntimeError(f"agent {self.agent_name!r} made no chat call in its {self.timeout_s:g} s "
+                                       "(rollout.multi_turn.openai_agent_timeout_s), so there is no trajectory to "
+                                       "train; check that it calls the base_url it is given, or raise the timeout") \
+                        from None
             except Exception as error:
                 if session.ended is None:
                     raise RuntimeError(f"agent {self.agent_name!r} raised {type(error).__name__}: "
@@ -132,10 +139,17 @@ class OpenAIAgentLoop(AgentLoop):
         finally:
             endpoint.close_trajectory(trajectory_id)
             await _SharedEndpoint.release(self.context)
+        if not session.records:
+            raise RuntimeError(f"agent {self.agent_name!r} made no chat call through its base_url, so there is no "
+                               "trajectory to train; point the agent's OpenAI client at the base_url it is given")
         output = session.output()
         output.metrics["agent_seconds"] = time.perf_counter() - start
-        if isinstance(result, (int, float)) and not isinstance(result, bool):
+        if isinstance(result, numbers.Real) and not isinstance(result, bool):  # numpy's scalars too
             output.reward_score = float(result)
+            if not math.isfinite(output.reward_score):
+                raise RuntimeError(f"agent {self.agent_name!r} returned the reward {output.reward_score}, which would "
+                                   "make the group's advantages NaN; return a finite number, or a final answer (not a "
+                                   "number) for the reward manager to score")
         elif result is not None:
             output.extra["final_answer"] = result
         return output

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -346,3 +347,58 @@ def test_an_agent_command_past_its_timeout_is_killed_with_the_processes_it_start
             await asyncio.sleep(0.02)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("returned", "expected"), [
+    (np.float32(0.5), 0.5), (np.int64(1), 1.0), (float("nan"), "returned the reward nan"),
+    (float("-inf"), "returned the reward -inf")])
+def test_an_agents_reward_is_any_real_number_and_a_non_finite_one_stops_the_rollout(returned, expected):
+    """numpy's float32 and int64 were kept as a final answer (the reward manager scored the text instead); NaN and inf
+    became the trajectory's reward and the group's advantages NaN."""
+    from reinforge.agent import AgentContext, get_agent_loop
+    from reinforge.models.tiny import build_char_tokenizer
+
+    async def agent(base_url, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        await client.chat.completions.create(model="policy", messages=row["raw_prompt"])
+        await client.close()
+        return returned
+
+    tokenizer = build_char_tokenizer()
+    register_openai_agent("test_reward_agent", agent)
+    try:
+        context = AgentContext(tokenizer, FixedReply(tokenizer), MultiTurnConfig())
+        row = {"prompt_ids": [1], "raw_prompt": [{"role": "user", "content": "hi"}], "extra_info": {},
+               "request_id": "r/0"}
+        run = get_agent_loop("test_reward_agent")(context).run(SamplingParams(max_tokens=20), **row)
+        if isinstance(expected, str):
+            with pytest.raises(RuntimeError, match=rf"agent 'test_reward_agent' {expected}, .* return a finite number"):
+                asyncio.run(run)
+        else:
+            output = asyncio.run(run)
+            assert output.reward_score == expected and "final_answer" not in output.extra
+    finally:
+        del AGENT_LOOPS["test_reward_agent"]
+
+
+def test_an_agent_that_makes_no_call_is_named_and_one_past_its_timeout_says_so():
+    from reinforge.agent import AgentContext, get_agent_loop
+    from reinforge.models.tiny import build_char_tokenizer
+
+    async def idle(base_url, row):
+        await asyncio.sleep(float(row["extra_info"]["sleep"]))
+        return 1.0
+
+    tokenizer = build_char_tokenizer()
+    register_openai_agent("test_idle_agent", idle, timeout_s=0.2)
+    try:
+        context = AgentContext(tokenizer, FixedReply(tokenizer), MultiTurnConfig())
+        row = {"prompt_ids": [1], "raw_prompt": [{"role": "user", "content": "hi"}], "request_id": "r/0"}
+        loop = get_agent_loop("test_idle_agent")
+        with pytest.raises(RuntimeError, match=r"agent 'test_idle_agent' made no chat call through its base_url"):
+            asyncio.run(loop(context).run(SamplingParams(max_tokens=20), **row, extra_info={"sleep": 0}))
+        with pytest.raises(RuntimeError, match=r"agent 'test_idle_agent' made no chat call in its 0.2 s "
+                                               r"\(rollout.multi_turn.openai_agent_timeout_s\)"):
+            asyncio.run(loop(context).run(SamplingParams(max_tokens=20), **row, extra_info={"sleep": 5}))
+    finally:
+        del AGENT_LOOPS["test_idle_agent"]
