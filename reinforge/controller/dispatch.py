@@ -136,8 +136,12 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
     # (a scorer's extras), and are dropped anyway
     kept = [chunk for chunk, rows in zip(chunks, counted, strict=True) if rows] or chunks[:1]
     left = plan.num_padding - plan.chunk_size * (len(chunks) - len(kept))
-    merged = Batch.concat_unpadded([Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": left})
-                                    for chunk in kept])
+    try:
+        merged = Batch.concat_unpadded([Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": left})
+                                        for chunk in kept])
+    except ValueError as error:  # batch k is rank k's share (a share of padding alone comes last)
+        raise ValueError(f"{method_name} is DP_COMPUTE and its members' results do not gather (batch k below is "
+                         f"rank k's): {error}") from error
     merged.meta.pop(PADDING_ROWS, None)
     summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
     weights = {name: [_rows_of_mean(chunk.meta.get(ROW_MEANS, ()), name, rows)

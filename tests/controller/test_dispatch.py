@@ -37,6 +37,20 @@ def test_dp_gather_leaves_out_a_share_of_padding_alone_whatever_its_columns():
     merged = collect_results(DP, plan, "f", results)
     assert merged["y"].tolist() == [0, 10, 20, 30, 40] and merged["acc"].tolist() == [True] * 5
 
+def test_dp_gather_of_shares_whose_columns_differ_fills_an_optional_one_and_names_any_other():
+    """Member 1's rows have a column member 0's lack: one named in meta empty_values gets the empty value on member
+    0's rows; one not named stops the gather with a line naming the method, the column and the member."""
+    from reinforge.protocol import EMPTY_VALUES
+
+    plan = plan_member_calls(DP, "score", 2, (Batch.from_dict({"x": torch.arange(4)}),), {})
+    shares = [Batch.from_dict({"y": chunk["x"]}) for (chunk,), _ in plan.member_arguments]
+    shares[1]["acc"] = [True, False]
+    with pytest.raises(ValueError, match=r"score is DP_COMPUTE.*rank k's.*'acc' is missing from batches \[0\]"):
+        collect_results(DP, plan, "score", shares)
+    shares[1].meta[EMPTY_VALUES] = {"acc": None}
+    assert collect_results(DP, plan, "score", shares)["acc"].tolist() == [None, None, True, False]
+
+
 def test_dp_gather_of_tuples_concatenates_batches_and_averages_metrics():
     batch = Batch.from_dict({"x": torch.arange(3)})
     plan = plan_member_calls(DP, "f", 2, (batch,), {})
