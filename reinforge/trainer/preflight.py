@@ -300,7 +300,8 @@ def check_fp8_kv_cache_device(config: Config) -> None:
 
 def check_batch_splits(config: Config, placement: RolePlacement | None = None) -> None:
     """On Ray, the samples of a step, and of each mini-batch, split evenly over the members of the roles that train:
-    a share one row short is padded with copies of other rows, which an update would train on twice."""
+    a share one row short is padded with copies of other rows, which an update would train on twice (the local
+    backend runs one member: ``check_devices``)."""
     if config.trainer.backend != "ray":
         return
     trainer, n = config.trainer, config.rollout.n
