@@ -185,7 +185,8 @@ def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str]
                     weights: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
     """Mean over members of each numeric value (largest for ``max``/``peak``/``slowest`` names, smallest for ``min``,
     the sum for the names in ``summed``, the mean weighted by ``weights[name]``, one weight per member, for those
-    names; where the weights of the members that have it add up to 0, the plain mean).
+    names; where the weights of the members that have it add up to 0, the plain mean). The figures under one
+    ``.../slowest/`` prefix all come from one member, the one whose first of them is the largest.
 
     Members lacking a key are left out; non-numeric values come from the first member that has them.
     """
@@ -208,7 +209,26 @@ def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str]
             merged[key] = float(reduce(numbers_only))
         else:
             merged[key] = values[0]
-    return merged
+    return merged | _slowest_records(per_member)
+
+
+def _slowest_records(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The figures under a ``.../slowest/`` prefix describe one record (the slowest trajectory: its time, its
+    lengths): all are taken from the member whose first such figure is the largest, not each from its own maximum."""
+    groups: dict[str, list[str]] = {}
+    for key in dict.fromkeys(key for metrics in per_member for key in metrics):
+        prefix, found, _ = key.partition("/slowest/")
+        if found:
+            groups.setdefault(prefix + found, []).append(key)
+    records: dict[str, Any] = {}
+    for keys in groups.values():
+        holders = [metrics for metrics in per_member if keys[0] in metrics and _as_number(metrics[keys[0]]) is not None]
+        if len(holders) > 1:
+            slowest = max(holders, key=lambda metrics: _as_number(metrics[keys[0]]))
+            for key in (key for key in keys if key in slowest):
+                number = _as_number(slowest[key])
+                records[key] = slowest[key] if number is None else number
+    return records
 
 
 def _as_number(value: Any) -> float | None:

@@ -105,3 +105,12 @@ def test_means_a_member_names_are_weighted_by_its_rows_that_count():
         member.meta["row_means"] = ("overlong/fraction",)
     merged = collect_results(DP, plan, "score", members).meta["reward_metrics"]
     assert merged == {"overlong/fraction": pytest.approx(2 / 3), "time_s": 0.75}
+
+
+def test_the_slowest_trajectorys_figures_come_from_one_member():
+    """Each member reports its own slowest trajectory; the gathered figures are the slowest one's, not a mix."""
+    members = [{"timing_s/agent_loop/slowest/generate_sequences": 10.0, "timing_s/agent_loop/slowest/prompt_length": 50.0},
+               {"timing_s/agent_loop/slowest/generate_sequences": 5.0, "timing_s/agent_loop/slowest/prompt_length": 200.0},
+               {"other": 1.0}]
+    assert average_metrics(members) == {"timing_s/agent_loop/slowest/generate_sequences": 10.0,
+                                        "timing_s/agent_loop/slowest/prompt_length": 50.0, "other": 1.0}
