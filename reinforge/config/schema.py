@@ -487,7 +487,8 @@ class JudgeConfig:
     the beginning of the problem, is cut) and is counted in reward/judge/prompts_cut."""
     timeout_s: float = 600.0
     """Seconds the judging of one batch may take; past it every sample of the batch gets fallback_score (counted in
-    reward/judge/timeouts), and three such steps in a row stop the run."""
+    reward/judge/timeouts), and three such steps in a row stop the run (as does the end of a run whose every judge
+    call timed out)."""
     fallback_score: float = 0.0
     """Score of a sample whose judgement could not be read (counted in reward/judge/malformed) or timed out."""
     trust_remote_code: bool = False

@@ -470,8 +470,11 @@ class RLTrainer(TrainingRun):
             if self.mode is not None and self.step < self.total_steps:
                 self.mode.start()
                 next_batch = self.mode.next_batch
-            return self.run_steps(next_batch, test_every=config.test_every, save_every=config.save_every,
-                                  validate_first=config.val_before_train)
+            metrics = self.run_steps(next_batch, test_every=config.test_every, save_every=config.save_every,
+                                     validate_first=config.val_before_train)
+            if isinstance(self.model_scorer, JudgeScorer):  # a short run whose every judge call timed out
+                self.model_scorer.check_the_run_was_judged()
+            return metrics
         except KeyboardInterrupt:  # SIGTERM or Ctrl-C: do not wait for a long call (a slow scorer) to end
             self.close(wait_s=STOP_WAIT_S)
             raise

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 import reinforge.trainer.rl_trainer as rl_trainer
 from reinforge.cli import main
@@ -160,3 +161,51 @@ def test_a_judge_that_times_out_on_every_sample_three_steps_in_a_row_stops_the_r
         assert metrics["reward/judge/timeouts"] == len(batch)
     with pytest.raises(RuntimeError, match="on every sample of 3 steps in a row"):
         scorer(batch, step=3)
+
+
+def test_a_run_shorter_than_three_steps_whose_judge_timed_out_on_every_call_does_not_end_as_a_success(monkeypatch):
+    """Each step of a two-step run scored only fallbacks: the run ends in one line, not as a success."""
+    import sys
+    from types import SimpleNamespace
+
+    from reinforge.config.schema import Config
+    from reinforge.controller import WorkerTimeoutError
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.protocol import Batch
+    from reinforge.trainer.generative_rewards import JudgeScorer
+
+    def timed_out(*args, **kwargs):
+        raise WorkerTimeoutError("deadline")
+
+    call = SimpleNamespace(with_timeout=lambda seconds: timed_out)
+    config = Config()
+    config.reward.judge.enable, config.reward.judge.model_path, config.reward.judge.parse = True, "policy", "yes_no"
+    config.reward.judge.template = "Is {response} right for {prompt}? Answer Y or N."
+    config.reward.judge.yes_token, config.reward.judge.no_token = "Y", "N"
+    tokenizer = build_char_tokenizer()
+    scorer = JudgeScorer(config, SimpleNamespace(compute_log_prob=call, generate=call), tokenizer)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "reward"))
+    from test_judge import policy_batch
+
+    batch = policy_batch(tokenizer, ["2+2?", "3*3?"], ["4", "it is 8"])
+    trainer = rl_trainer.RLTrainer.__new__(rl_trainer.RLTrainer)
+    trainer.config, trainer.mode, trainer.step, trainer.model_scorer = config, None, 0, scorer
+
+    def run_steps(next_batch, **kwargs):
+        for step in (1, 2):
+            scorer(batch, step)
+        return {}
+
+    monkeypatch.setattr(trainer, "resume", lambda: None, raising=False)
+    monkeypatch.setattr(trainer, "run_steps", run_steps, raising=False)
+    monkeypatch.setattr(trainer, "close", lambda wait_s=None: None, raising=False)
+    with pytest.raises(RuntimeError, match="timed out on every sample of each of the run's 2 judge calls"):
+        trainer.fit()
+
+    def answered(judge_batch):
+        return Batch.from_dict(tensors={"old_log_probs": torch.zeros(len(judge_batch), 1)})
+
+    calls = iter([timed_out, answered])  # a second run: the judge timed out once, then answered
+    scorer.judge = SimpleNamespace(compute_log_prob=SimpleNamespace(with_timeout=lambda seconds: next(calls)))
+    scorer.timeouts_in_a_row = 0
+    assert trainer.fit() == {}
