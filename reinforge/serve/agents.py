@@ -29,6 +29,7 @@ import numbers
 import os
 import shlex
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -47,6 +48,68 @@ HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "openai")
 ROW_KEYS_NOT_SENT = ("prompt_ids",)
 
 _trajectory_numbers = itertools.count()
+logger = logging.getLogger(__name__)
+
+BLOCKED_LOOP_S = 10.0
+"""Seconds an agent may hold the event loop before ``LoopWatch`` says so."""
+BLOCKING_FIX = ("an agent shares the event loop the endpoint answers on, so a blocking call in it (openai.OpenAI "
+                "instead of openai.AsyncOpenAI, a framework's sync invoke, time.sleep, requests) waits on an answer "
+                "that cannot come and its timeout cannot end it; await the async client, or run blocking work "
+                "in asyncio.to_thread")
+
+
+class LoopWatch:
+    """Watches, from a thread, the event loop the agents and their endpoint share: an agent that holds it past
+    ``BLOCKED_LOOP_S`` (a sync OpenAI client waits on an endpoint that the held loop cannot run) is named in one
+    error line while it holds it, and its error, if it raises, says so."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.beat = time.monotonic()
+        self.agents: dict[asyncio.Task, str] = {}
+        self.blocked: dict[asyncio.Task, float] = {}
+        """Per agent's task: the longest time it held the loop, where past ``BLOCKED_LOOP_S``."""
+        self._stopped = threading.Event()
+        self._heartbeat = loop.create_task(self._beat())
+        threading.Thread(target=self._watch, name="reinforge-agent-loop-watch", daemon=True).start()
+
+    watches: dict[asyncio.AbstractEventLoop, LoopWatch] = {}
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopWatch:
+        if loop not in cls.watches:
+            cls.watches[loop] = cls(loop)
+        return cls.watches[loop]
+
+    def leave(self, task: asyncio.Task) -> float:
+        """``task``'s agent is done: the longest it held the loop past ``BLOCKED_LOOP_S`` (0 if never). The watch
+        stops with the loop's last agent."""
+        self.agents.pop(task, None)
+        held = self.blocked.pop(task, 0.0)
+        if not self.agents:
+            self._stopped.set()
+            self._heartbeat.cancel()
+            LoopWatch.watches.pop(self.loop, None)
+        return held
+
+    async def _beat(self) -> None:
+        while True:
+            self.beat = time.monotonic()
+            await asyncio.sleep(0.1)
+
+    def _watch(self) -> None:
+        told = None
+        while not self._stopped.wait(0.1) and not self.loop.is_closed():
+            held = time.monotonic() - self.beat
+            task = asyncio.current_task(self.loop) if held > BLOCKED_LOOP_S else None
+            name = self.agents.get(task) if task is not None else None
+            if name is None:
+                told = None
+                continue
+            self.blocked[task] = max(self.blocked.get(task, 0.0), held)
+            if told is not task:
+                told = task
+                logger.error("agent %r has held the event loop for %.0f s: %s", name, held, BLOCKING_FIX)
 
 
 class _SharedEndpoint:
@@ -118,25 +181,33 @@ class OpenAIAgentLoop(AgentLoop):
         base_url = endpoint.open_trajectory(trajectory_id, session)
         result: Any = None
         start = time.perf_counter()
+        task = asyncio.current_task()
+        watch = LoopWatch.of(asyncio.get_running_loop()) if task is not None and callable(self.agent) else None
+        if watch is not None:
+            watch.agents[task] = self.agent_name
         try:
             scope = asyncio.timeout(self.timeout_s)
             try:
                 async with scope:
                     result = await self._run_agent(base_url, self._agent_row(row))
-            except TimeoutError:
-                if not scope.expired():
-                    raise
-                session.ended = session.ended or "timeout"
-                if not session.records:
-                    raise RuntimeError(f"agent {self.agent_name!r} made no chat call in its {self.timeout_s:g} s "
-                                       "(rollout.multi_turn.openai_agent_timeout_s), so there is no trajectory to "
-                                       "train; check that it calls the base_url it is given, or raise the timeout") \
-                        from None
             except Exception as error:
-                if session.ended is None:
-                    raise RuntimeError(f"agent {self.agent_name!r} raised {type(error).__name__}: "
-                                       f"{' '.join(str(error).split())}") from error
+                # its time is up (the agent's own TimeoutError is an error like any other)
+                if isinstance(error, TimeoutError) and scope.expired():
+                    session.ended = session.ended or "timeout"
+                    if not session.records:
+                        raise RuntimeError(f"agent {self.agent_name!r} made no chat call in its {self.timeout_s:g} s "
+                                           "(rollout.multi_turn.openai_agent_timeout_s), so there is no trajectory "
+                                           "to train; check that it calls the base_url it is given, or raise the "
+                                           "timeout") from None
+                else:
+                    held = watch.leave(task) if watch is not None else 0.0
+                    if session.ended is None:
+                        blocked = f" after holding the event loop for {held:.0f} s ({BLOCKING_FIX})" if held else ""
+                        raise RuntimeError(f"agent {self.agent_name!r} raised {type(error).__name__}: "
+                                           f"{' '.join(str(error).split())}{blocked}") from error
         finally:
+            if watch is not None:
+                watch.leave(task)
             endpoint.close_trajectory(trajectory_id)
             await _SharedEndpoint.release(self.context)
         if not session.records:

@@ -402,3 +402,33 @@ def test_an_agent_that_makes_no_call_is_named_and_one_past_its_timeout_says_so()
             asyncio.run(loop(context).run(SamplingParams(max_tokens=20), **row, extra_info={"sleep": 5}))
     finally:
         del AGENT_LOOPS["test_idle_agent"]
+
+
+def test_an_agent_that_blocks_the_event_loop_is_named_while_it_holds_it_and_in_its_error(monkeypatch, caplog):
+    """A sync OpenAI client in an async agent waits on the endpoint its own blocked loop would answer: the rollout
+    hung for the client's own timeout (600 s, three tries) past openai_agent_timeout_s, and its error read only
+    'Request timed out'."""
+    import time
+
+    from reinforge.agent import AgentContext, get_agent_loop
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.serve import agents
+
+    async def blocking(base_url, row):
+        time.sleep(0.6)  # as openai.OpenAI(...).chat.completions.create would, waiting for this loop
+        raise TimeoutError("Request timed out.")
+
+    monkeypatch.setattr(agents, "BLOCKED_LOOP_S", 0.2)
+    tokenizer = build_char_tokenizer()
+    register_openai_agent("test_blocking_agent", blocking)
+    try:
+        context = AgentContext(tokenizer, FixedReply(tokenizer), MultiTurnConfig())
+        row = {"prompt_ids": [1], "raw_prompt": [{"role": "user", "content": "hi"}], "request_id": "r/0"}
+        with pytest.raises(RuntimeError, match=r"agent 'test_blocking_agent' raised TimeoutError: Request timed "
+                                               r"out. after holding the event loop for \d+ s \(.*openai.AsyncOpenAI"):
+            asyncio.run(get_agent_loop("test_blocking_agent")(context).run(SamplingParams(max_tokens=20), **row))
+    finally:
+        del AGENT_LOOPS["test_blocking_agent"]
+    assert any("agent 'test_blocking_agent' has held the event loop for" in record.getMessage()
+               for record in caplog.records)
+    assert not agents.LoopWatch.watches
