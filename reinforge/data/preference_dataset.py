@@ -117,6 +117,13 @@ def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) 
     if chosen == rejected:
         raise ValueError(f"{where}: {keys.chosen!r} and {keys.rejected!r} are the same, which teaches no "
                          "preference; drop the row")
+    if conversational and prompt is None and not _common_length(chosen, rejected):  # implicit: no prompt to take
+        if isinstance(row.get(keys.prompt), str):
+            raise ValueError(f"{where}: {keys.prompt!r} is text while {keys.chosen!r} and {keys.rejected!r} are chat "
+                             "messages that share no leading message; give the prompt as a list of messages "
+                             "([{'role': 'user', 'content': ...}]), or start both completions with its turns")
+        raise ValueError(f"{where}: {keys.chosen!r} and {keys.rejected!r} share no leading message, so there is no "
+                         f"prompt; give a {keys.prompt!r} column of messages or start both with the same messages")
     if conversational:  # the template shows the schemas beside the conversation; text pairs leave them out
         row_tools(row, where)
     images = row_image_sources(row, None, where)

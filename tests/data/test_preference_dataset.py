@@ -138,6 +138,12 @@ def test_a_pair_whose_completions_tokenize_the_same_is_refused(tokenizer, row):
                                                                                    "content": "b"}]},
      "row 0 of F: 'prompt' is an empty list of messages; give the prompt's turns"),
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 0 of F: 'margin' is 'big'"),
+    ({"prompt": "Q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant",
+                                                                                      "content": "b"}]},
+     "row 0 of F: 'prompt' is text while 'chosen' and 'rejected' are chat messages that share no leading message; "
+     "give the prompt as a list of messages ([{'role': 'user', 'content': ...}])"),
+    ({"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "r"}]},
+     "row 0 of F: 'chosen' and 'rejected' share no leading message, so there is no prompt"),
     ({"chosen": [{"role": "assistant", "content": 3}], "rejected": [{"role": "assistant", "content": "b"}]},
      "message 0 (assistant) of 'chosen' of row 0 of F has a 'content' of type int"),
     ({"prompt": "<image>What color?", "chosen": "red", "rejected": "blue", "images": ["picture.png"]},
