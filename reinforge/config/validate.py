@@ -546,6 +546,14 @@ def validate_reward_model(config: Config) -> None:
             raise ConfigError(f"reward.judge.model_path=policy judges with the policy's own engine, which "
                               f"trainer.mode={config.trainer.mode} keeps generating; use trainer.mode=sync, or a judge "
                               "model of its own (reward.judge.model_path=/path/to/judge)")
+        judge, data = config.reward.judge, config.data
+        sequence = data.max_prompt_length + data.max_response_length
+        if judge.model_path == "policy" and config.rollout.name == "native" and judge.parse != "yes_no" \
+                and judge.max_tokens >= sequence:
+            raise ConfigError(f"reward.judge.max_tokens={judge.max_tokens} leaves the judge's prompts no room in the "
+                              "policy's native engine, whose sequences hold data.max_prompt_length + "
+                              f"data.max_response_length = {sequence} tokens; lower reward.judge.max_tokens, or give "
+                              "the judge a model of its own (reward.judge.model_path=/path/to/judge)")
         return
     if enabled[0] == "remote":
         validate_remote(config.reward.remote)

@@ -53,6 +53,7 @@ class JudgeScorer:
         self.tokenizer = (policy_tokenizer if settings.model_path == "policy"
                           else load_tokenizer(settings.model_path, trust_remote_code=settings.trust_remote_code))
         self.sampling = judge_sampling(config)
+        self.max_prompt_length = judge_prompt_length(config)
         self.temperature = config.rollout.temperature
         """compute_log_prob divides the logits by the rollout temperature (the judge worker's and the actor's)."""
         self.seed = config.trainer.seed
@@ -69,7 +70,7 @@ class JudgeScorer:
         settings = self.settings
         start = time.perf_counter()
         prompts, cut = judge_prompts(batch, self.policy_tokenizer, self.tokenizer, self.template,
-                                     settings.chat_template, settings.max_prompt_length)
+                                     settings.chat_template, self.max_prompt_length)
         try:
             if self.yes_no is not None:
                 scored = self.judge.compute_log_prob.with_timeout(settings.timeout_s)(yes_no_batch(prompts, *self.yes_no))
@@ -115,6 +116,24 @@ class JudgeScorer:
                                f"the fallback {settings.fallback_score:g} and the run learned nothing from its rewards; "
                                "raise reward.judge.timeout_s or make the judge faster (a smaller judge, a shorter "
                                "reward.judge.max_tokens)")
+
+
+def judge_prompt_length(config: Config) -> int:
+    """The tokens a judge prompt keeps: reward.judge.max_prompt_length, or where the policy judges itself on the native
+    engine, whose sequences hold data.max_prompt_length + data.max_response_length tokens and which refuses a longer
+    prompt, what leaves reward.judge.max_tokens of them for the answer (one warning line)."""
+    settings, data = config.reward.judge, config.data
+    if settings.model_path != "policy" or config.rollout.name != "native" or settings.parse == "yes_no":
+        return settings.max_prompt_length  # a judge of its own sizes its engine for it; yes_no generates nothing
+    room = data.max_prompt_length + data.max_response_length - settings.max_tokens
+    if room >= settings.max_prompt_length:
+        return settings.max_prompt_length
+    logger.warning("reward.judge.max_prompt_length=%d is cut to %d tokens: the policy judges itself on its native "
+                   "engine, whose sequences hold data.max_prompt_length + data.max_response_length = %d tokens, "
+                   "reward.judge.max_tokens=%d of them for the answer; a longer judge prompt keeps its last tokens "
+                   "(reward/judge/prompts_cut)", settings.max_prompt_length, room,
+                   data.max_prompt_length + data.max_response_length, settings.max_tokens)
+    return room
 
 
 class RemoteScorer:

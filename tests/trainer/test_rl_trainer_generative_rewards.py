@@ -96,6 +96,9 @@ def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path
     ({"reward.judge.enable": True, "reward.judge.model_path": "policy", "reward.judge.template": "'{response}'",
       "trainer.mode": "one_step_off"},
      "error: reward.judge.model_path=policy judges with the policy's own engine, which trainer.mode=one_step_off"),
+    ({"reward.judge.enable": True, "reward.judge.model_path": "policy", "reward.judge.template": "'{response}'",
+      "rollout.name": "native", "reward.judge.max_tokens": 72},
+     "error: reward.judge.max_tokens=72 leaves the judge's prompts no room in the policy's native engine"),
     ({"reward.remote.enable": True}, "error: reward.remote.enable=true but reward.remote.url is not set"),
     ({"reward.remote.enable": True, "reward.remote.url": "http://a", "reward.judge.enable": True},
      "error: reward.judge.enable and reward.remote.enable are both true"),
@@ -209,3 +212,47 @@ def test_a_run_shorter_than_three_steps_whose_judge_timed_out_on_every_call_does
     scorer.judge = SimpleNamespace(compute_log_prob=SimpleNamespace(with_timeout=lambda seconds: next(calls)))
     scorer.timeouts_in_a_row = 0
     assert trainer.fit() == {}
+
+
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_the_policys_native_engine_judges_prompts_cut_to_what_its_sequences_hold(engine, caplog):
+    """The policy judging itself on the native engine generates in sequences of data.max_prompt_length +
+    data.max_response_length tokens, which refuses a longer prompt: each judge prompt keeps its last tokens, so the
+    judge has reward.judge.max_tokens of room to answer (counted in reward/judge/prompts_cut, one warning line)."""
+    import sys
+    from types import SimpleNamespace
+
+    from reinforge.config.schema import Config
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.protocol import Batch
+    from reinforge.trainer.generative_rewards import JudgeScorer
+
+    seen = []
+
+    def generate(prompts, sampling, seed):
+        seen.append(int(prompts["attention_mask"].sum(-1).max()))
+        answer = torch.tensor([tokenizer.encode("Score: 7", add_special_tokens=False)] * len(prompts))
+        return Batch.from_dict(tensors={"responses": answer, "response_mask": torch.ones_like(answer)})
+
+    config = Config()
+    config.rollout.name = engine
+    config.data.max_prompt_length, config.data.max_response_length = 64, 8
+    settings = config.reward.judge
+    settings.enable, settings.model_path, settings.max_tokens, settings.chat_template = True, "policy", 4, False
+    settings.template = "Judge carefully. " * 8 + "{prompt} = {response}"
+    tokenizer = build_char_tokenizer()
+    judge = SimpleNamespace(generate=SimpleNamespace(with_timeout=lambda seconds: generate))
+    with caplog.at_level("WARNING"):
+        scorer = JudgeScorer(config, judge, tokenizer)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "reward"))
+    from test_judge import policy_batch
+
+    scores, metrics = scorer(policy_batch(tokenizer, ["2+2?", "3*3?"], ["4", "it is 8"]), step=1)
+    assert scores.tolist() == [7.0, 7.0]
+    if engine == "hf":  # no limit of its own: the judge reads the whole prompt
+        assert seen == [len("Judge carefully. " * 8 + "3*3? = it is 8")] and metrics["reward/judge/prompts_cut"] == 0
+        assert not caplog.records
+        return
+    assert seen == [64 + 8 - 4] and metrics["reward/judge/prompts_cut"] == 2
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert warning.startswith("reward.judge.max_prompt_length=2048 is cut to 68 tokens")
