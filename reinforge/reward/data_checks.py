@@ -101,6 +101,13 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
 def _check_rows(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer | None, given_function: bool) -> None:
     options = set(config.kwargs)
     needs: dict[Any, frozenset[str]] = {}
+    in_some_row: set[str] = set()
+    if custom_scorer is not None and takes_completions(custom_scorer):
+        # TRL's kind gets a dataset's column for every row, None where a row has no value (it may return None there)
+        in_some_row = {name for example in dataset.examples for name, value in example.columns.items()
+                       if value is not None}
+        if any(example.ground_truth is not None for example in dataset.examples):
+            in_some_row.add("ground_truth")
     for example in dataset.examples:
         scorer = custom_scorer if custom_scorer is not None else find_scorer(example.data_source)
         where = dataset.where(example)
@@ -124,6 +131,7 @@ def _check_rows(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer 
         given = {name for name, value in example.columns.items() if value is not None}  # parquet fills gaps with null
         if example.ground_truth is not None:
             given.add("ground_truth")
+        given |= in_some_row
         missing = sorted(needs[scorer] - given)
         name = (f"reward function {getattr(scorer, '__name__', scorer)}" if given_function
                 else _scorer_name(config, example.data_source))

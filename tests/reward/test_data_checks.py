@@ -90,9 +90,16 @@ def test_every_row_needs_a_ground_truth_unless_the_function_takes_none(tmp_path,
 
 def test_columns_a_function_takes_must_be_in_every_row(tmp_path, byte_tokenizer, rewards_file):
     with pytest.raises(ValueError, match=r"row 1 of .* has no column 'answer' \(or it is null\), which "
-                                         r"reward.custom_function trl_reward in .* takes \(TRL's kind: columns are passed by name\); the "
-                                         r"row's extra columns are: hint"):
-        check(tmp_path, byte_tokenizer, [row(answer="2", hint="h"), row(hint="h")], f"{rewards_file}:trl_reward")
+                                         r"reward.custom_function by_column in .* takes \(columns are passed by "
+                                         r"name\); the row's extra columns are: hint"):
+        check(tmp_path, byte_tokenizer, [row(answer="2", hint="h"), row(hint="h")], f"{rewards_file}:by_column")
+    # TRL's kind gets the column with None where a row has no value (as TRL passes a dataset's column), so it must
+    # be in some row: a column no row has is refused
+    check(tmp_path, byte_tokenizer, [row(answer="2", hint="h"), row(hint="h")], f"{rewards_file}:trl_reward")
+    with pytest.raises(ValueError, match=r"row 0 of .* has no column 'answer' \(or it is null\), which "
+                                         r"reward.custom_function trl_reward in .* takes \(TRL's kind: columns are "
+                                         r"passed by name\)"):
+        check(tmp_path, byte_tokenizer, [row(hint="h"), row(hint="h")], f"{rewards_file}:trl_reward")
     with pytest.raises(ValueError, match="row 0 of .* has a column 'ground_truth', a name reinforge already passes "
                                          "to the scorer"):
         check(tmp_path, byte_tokenizer, [{**row(ground_truth=None), "ground_truth": "2"}], str(rewards_file))
