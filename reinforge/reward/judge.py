@@ -256,7 +256,7 @@ def unreadable(judgements: Judgements, texts: Sequence[str], rule: str, marker: 
     """One line when no judgement of a batch could be read (nothing to learn from), else None."""
     if not texts or judgements.malformed < len(texts):
         return None
-    sample = texts[0].strip().replace("\n", " ")[:120]
+    sample = texts[0].strip().replace("\n", " ")[:120] or texts[0][:120]  # a blank answer as it was written
     where = f"a number after {marker!r}" if rule == "marker" else "a number in \\boxed{}"
     return (f"none of the judge's {len(texts)} answers has {where} (reward.judge.parse={rule}); the first reads "
             f"{sample!r}: fix reward.judge.template or reward.judge.parse/marker")

@@ -50,6 +50,8 @@ def test_malformed_judgements_get_the_fallback_and_are_counted():
     line = unreadable(none, ["meh", "hmm"], "marker", "Score:")
     assert line.startswith("none of the judge's 2 answers has a number after 'Score:' (reward.judge.parse=marker); "
                            "the first reads 'meh'")
+    blank = scores_from_texts(["\n\n", ""], "marker", "Score:", 1.0, 0.0)  # newlines only: shown as written
+    assert "the first reads '\\n\\n': fix" in unreadable(blank, ["\n\n", ""], "marker", "Score:")
 
 
 def test_templates_name_known_fields_and_show_the_response(tmp_path):
