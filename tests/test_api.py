@@ -417,6 +417,9 @@ def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeyp
     (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.*: reinforge's linear schedule takes no "),
     (dict(bf16=True, fp16=True), "bf16=True and fp16=True: choose one precision"),
     (dict(save_strategy="epoch"), "save_strategy='epoch': reinforge checkpoints every save_steps steps"),
+    # TRL's bonus is the mean entropy over tokens whatever the loss_type; reinforge's follows the loss's aggregation
+    (dict(entropy_coef=0.01, loss_type="dr_grpo"), "entropy_coef=0.01 with loss_type='dr_grpo': TRL's entropy bonus "
+                                                   r"is the mean entropy over tokens.*seq-mean-token-sum-norm"),
 ])
 def test_a_trl_setting_reinforge_cannot_honour_is_refused_in_one_line(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -102,6 +102,19 @@ def _router_aux_loss_coef(key: str) -> Callable[[Any, dict[str, Any]], dict[str,
     return lambda value, settings: {key: DECLARED_ROUTER_AUX_LOSS if value is None else float(value)}
 
 
+def _entropy_coef(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's entropy bonus is the mean entropy over the tokens whatever the loss_type; reinforge's is aggregated as the
+    loss is (actor.loss_agg_mode), which is that mean only for the loss types averaged over tokens."""
+    loss_type = settings.get("loss_type") or "dapo"  # TRL's default
+    aggregation = LOSS_AGGREGATIONS.get(loss_type, "token-mean")
+    if value and aggregation != "token-mean":
+        raise ValueError(f"entropy_coef={value} with loss_type={loss_type!r}: TRL's entropy bonus is the mean entropy "
+                         f"over tokens, while reinforge aggregates it as the loss ({aggregation}); use a loss_type "
+                         "averaged over tokens (dapo, bnpo, cispo), or remove entropy_coef and take reinforge's "
+                         f"bonus with overrides={{'actor.entropy_coeff': {value}}}")
+    return {"actor.entropy_coeff": value}
+
+
 def _beta(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     beta = float(value)
     if beta == 0.0:
@@ -417,7 +430,7 @@ GRPO_SETTINGS: dict[str, Override] = {
     "importance_sampling_level": ("actor.policy_loss.loss_mode (sequence: gspo)", _importance_sampling_level),
     "sapo_temperature_pos": ("actor.policy_loss.tau_pos", _to("actor.policy_loss.tau_pos")),
     "sapo_temperature_neg": ("actor.policy_loss.tau_neg", _to("actor.policy_loss.tau_neg")),
-    "entropy_coef": ("actor.entropy_coeff", _to("actor.entropy_coeff")),
+    "entropy_coef": ("actor.entropy_coeff (with a loss_type averaged over tokens)", _entropy_coef),
     "router_aux_loss_coef": ("actor.router_aux_loss_coef (None: declared)",
                              _router_aux_loss_coef("actor.router_aux_loss_coef")),
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
