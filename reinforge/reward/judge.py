@@ -244,11 +244,13 @@ def yes_no_batch(prompts: Any, yes_id: int, no_id: int) -> Any:
 
 def yes_no_scores(log_probs: Any, temperature: float) -> list[float]:
     """p(yes) / (p(yes) + p(no)) per prompt, from ``yes_no_batch``'s response log-probs (2B, >= 1) computed at
-    ``temperature`` (logits divided by it: the log-odds are multiplied back)."""
+    ``temperature`` (logits divided by it: the log-odds are multiplied back; 0, greedy, computes them at 1 as the
+    log-prob passes do)."""
+    scale = temperature if temperature > 0 else 1.0
     values = log_probs[:, 0].double().tolist()
     scores = []
     for yes, no in zip(values[0::2], values[1::2], strict=True):
-        scores.append(yes_probability(yes * temperature, no * temperature))
+        scores.append(yes_probability(yes * scale, no * scale))
     return scores
 
 

@@ -130,6 +130,10 @@ def test_yes_no_scores_are_the_yes_probability_whatever_the_temperature():
                              dtype=torch.float64)
     scores = yes_no_scores(log_probs, temperature)
     assert scores == pytest.approx([1 / (1 + math.exp(-(logits_yes - logits_no)))] * 2, abs=1e-9)
+    # rollout.temperature=0 (greedy, n=1): the log-probs are computed at temperature 1, as the engines sample them
+    log_z = math.log(math.exp(logits_yes) + math.exp(logits_no) + 3.0)
+    at_one = torch.tensor([[logits_yes - log_z], [logits_no - log_z]], dtype=torch.float64)
+    assert yes_no_scores(at_one, 0.0) == pytest.approx([1 / (1 + math.exp(-(logits_yes - logits_no)))], abs=1e-9)
 
 
 def test_an_answer_of_several_tokens_is_refused_with_ones_the_vocabulary_has():
