@@ -272,6 +272,20 @@ def _gen_batch_size(value: Any, given: Mapping[str, Any]) -> Any:
     return value
 
 
+VECTORIZED_ESTIMATORS = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
+"""verl's vectorized implementations of an estimator -> the estimator they compute."""
+
+
+def _estimator(value: Any, given: Mapping[str, Any]) -> Any:
+    return VECTORIZED_ESTIMATORS.get(value, value) if isinstance(value, str) else value
+
+
+def _estimator_note(value: Any, given: Mapping[str, Any]) -> str:
+    if value in VECTORIZED_ESTIMATORS:
+        return f"verl's {value} computes {VECTORIZED_ESTIMATORS[value]}'s advantages"
+    return ""
+
+
 def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
     if value in ("vllm", "sglang", "trtllm"):
         return "native"
@@ -961,7 +975,8 @@ VERL_KEYS: dict[str, Translation] = {
                                                 "options with reward.kwargs (verl's custom_reward_function.reward_kwargs)"),
     "reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes"),
     # ---- algorithm
-    "algorithm.adv_estimator": Rename("algorithm.adv_estimator", verl_default="gae"),
+    "algorithm.adv_estimator": Rename("algorithm.adv_estimator", _estimator, verl_default="gae",
+                                      note=_estimator_note),
     "algorithm.gamma": Rename("algorithm.gamma"),
     "algorithm.lam": Rename("algorithm.lam"),
     "algorithm.norm_adv_by_std_in_grpo": Rename("algorithm.norm_adv_by_std"),

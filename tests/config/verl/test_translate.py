@@ -154,6 +154,13 @@ def test_values_converted():
     assert resumed["trainer"]["resume"] == "/run/step_5"
 
 
+@pytest.mark.parametrize(("estimator", "ours"), [("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")])
+def test_verls_vectorized_estimators_are_the_estimators_they_compute(estimator, ours):
+    translation = translate_verl([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=4"])
+    assert translation.tree.get("algorithm", {}).get("adv_estimator", "grpo") == ours  # grpo: our default
+    assert f"verl's {estimator} computes {ours}'s advantages" in translation.report()
+
+
 def test_values_without_equivalent_are_reported_not_translated():
     translation = translate_verl(["actor_rollout_ref.actor.optim.lr_scheduler_type=wsd", "data.truncation=middle",
                                   "actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=[console,swanlab]"])
