@@ -431,6 +431,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     if reward_inputs is not None:
         check_reward_model_renders(reward_inputs, [dataset for dataset in (train_set, val_set) if dataset is not None],
                                    config.reward.reward_model.model_path)
+    if config.reward.judge.enable:
+        check_judge_reads_ground_truths(config.reward.judge.template, train_set)
     if plan_after_data:
         if processor is not None:
             config.data.max_image_tokens = most_image_tokens([train_set, val_set], processor.image_token_id)
@@ -524,6 +526,27 @@ def check_reward_model_renders(inputs: RewardInputs, datasets: Sequence[RLDatase
                     error, "its prompt with an answer after it",
                     f"the chat_template of reward.reward_model.model_path={path}").replace(
                     "the model's chat template", "the reward model's chat template", 1)) from None
+
+
+def check_judge_reads_ground_truths(template: str, dataset: RLDataset) -> None:
+    """Where reward.judge.template shows ``{ground_truth}``: refused in one line when no training row has one (the
+    judge would read an empty reference answer for every sample), one warning line when some lack it."""
+    from reinforge.reward.judge import read_template, template_fields
+
+    if "ground_truth" not in template_fields(read_template(template)):
+        return
+    missing = [example for example in dataset.examples if example.ground_truth is None]
+    if not missing:
+        return
+    if len(missing) == len(dataset.examples):
+        files = ", ".join(sorted({dataset.where(example).split(" of ", 1)[1] for example in missing}))
+        raise ConfigError(f"no row of {files} has a ground truth (reward_model.ground_truth or a ground_truth column), "
+                          "which reward.judge.template shows ({ground_truth}), so the judge would read an empty "
+                          "reference answer for every sample; add one to the rows, or remove {ground_truth} from the "
+                          "template")
+    logger.warning("%d of %d rows of the training data have no ground truth, which reward.judge.template "
+                   "shows ({ground_truth}): the judge reads an empty reference answer for them (first: %s)",
+                   len(missing), len(dataset.examples), dataset.where(missing[0]))
 
 
 def check_judge_settings(config: Config) -> None:

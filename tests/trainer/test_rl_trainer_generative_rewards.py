@@ -256,3 +256,25 @@ def test_the_policys_native_engine_judges_prompts_cut_to_what_its_sequences_hold
     assert seen == [64 + 8 - 4] and metrics["reward/judge/prompts_cut"] == 2
     [warning] = [record.getMessage() for record in caplog.records]
     assert warning.startswith("reward.judge.max_prompt_length=2048 is cut to 68 tokens")
+
+
+def test_a_judge_template_showing_a_ground_truth_the_rows_lack_is_refused_or_warned_about(rl_args, tmp_path,
+                                                                                          monkeypatch, capsys, caplog):
+    """{ground_truth} in the template where no row has one: the judge would read an empty reference answer for every
+    sample, refused before any model loads; where some rows lack it, one warning line."""
+    rows = tmp_path / "rows.jsonl"
+    lines = [{"prompt": [{"role": "user", "content": f"say hi {index}"}], "data_source": "chat"} for index in range(8)]
+    rows.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    judge = {"reward.judge.enable": True, "reward.judge.model_path": "policy",
+             "reward.judge.template": "'{prompt} {response} (ref {ground_truth}) Score:'"}
+    monkeypatch.setattr(rl_trainer, "ActorRolloutWorker", NoModelsHere)
+    assert main(["train", *rl_args(tmp_path / "run", **judge, **{"data.train_files": f"[{rows}]"})]) == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(f"error: no row of {rows} has a ground truth (reward_model.ground_truth or a ground_truth "
+                            "column), which reward.judge.template shows ({ground_truth})")
+    lines[3]["reward_model"] = {"ground_truth": "hi"}
+    rows.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with caplog.at_level("WARNING"):  # checked: on to the workers (which the stand-in refuses to start)
+        assert main(["train", *rl_args(tmp_path / "run2", **judge, **{"data.train_files": f"[{rows}]"})]) == 1
+    assert any(record.getMessage().startswith("7 of 8 rows of the training data have no ground truth, which "
+                                              "reward.judge.template shows") for record in caplog.records)
