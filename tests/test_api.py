@@ -334,6 +334,8 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
     (dict(per_device_train_batch_size=64, num_generations=4),
      r"^per_device_train_batch_size=64, num_generations=4 \(GRPOConfig\) is reinforge's data.train_batch_size: "
      r"data.train_batch_size=16 is larger than the 4 train prompts"),
+    (dict(report_to="trackio"), r"^report_to='trackio' \(GRPOConfig\) is reinforge's trainer.loggers: trainer.loggers "
+                                r"names 'trackio', which is not a tracking backend"),
 ])
 def test_a_refusal_of_a_key_made_from_trls_settings_names_them(tmp_path, tiny_model_dir, settings, message):
     from reinforge import GRPOTrainer

@@ -51,14 +51,14 @@ def _load(spec: str) -> Any:
 def _named_as_given(args: Any) -> Iterator[None]:
     """A refusal that names one of reinforge's keys made from TRL's settings (``args.setting_sources()``) also names
     the settings it was made from, as the script wrote them: ``num_generations=1 (GRPOConfig) is reinforge's
-    rollout.n: rollout.n=1 is too small...``."""
+    rollout.n: rollout.n=1 is too small...``; also ``trainer.loggers names wandb, ...`` (a list's refusal)."""
     try:
         yield
     except ValueError as error:
         sources = args.setting_sources() if hasattr(args, "setting_sources") else {}
         message = str(error)
         found = [(match.start(), key) for key in sources
-                 if (match := re.search(rf"(?<![\w.]){re.escape(key)}=", message)) is not None]
+                 if (match := re.search(rf"(?<![\w.]){re.escape(key)}(=| names )", message)) is not None]
         if not found or type(error) not in (ValueError, ConfigError) or message.startswith(sources[min(found)[1]]):
             raise
         key = min(found)[1]
