@@ -282,6 +282,10 @@ class PreferenceDataset:
         if not self.pairs:
             raise ValueError(f"no {name} pair is left of {num_rows} rows ({self.num_dropped} longer than "
                              f"data.max_length={max_length}); check the files and data.max_length")
+        if self.num_dropped:  # rows lost to training: said where it is seen (TRL truncates them instead)
+            logger.warning("%s data: %d of %d pairs dropped for being longer than data.max_length=%d tokens (prompt "
+                           "and the longer completion); raise data.max_length to keep them, or set "
+                           "data.truncation=error to stop on the first", name, self.num_dropped, num_rows, max_length)
         logger.info("%s data: %d pairs from %d rows; %d dropped for being longer than %d tokens", name,
                     len(self.pairs), num_rows, self.num_dropped, max_length)
 

@@ -164,12 +164,14 @@ def test_malformed_rows_are_refused_in_one_line_naming_the_row_and_column(tmp_pa
     assert "\n" not in str(error.value)
 
 
-def test_dataset_drops_pairs_over_max_length_or_refuses_them(tmp_path, tokenizer):
+def test_dataset_drops_pairs_over_max_length_or_refuses_them(tmp_path, tokenizer, caplog):
     path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": "Q:", "chosen": " yes", "rejected": " no"}, {"prompt": "Q:", "chosen": " y" * 30, "rejected": "n"}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     dataset = PreferenceDataset([path], tokenizer, max_length=16)
     assert len(dataset) == 1 and dataset.num_dropped == 1
+    [warning] = [record for record in caplog.records if record.levelname == "WARNING"]  # rows lost are said aloud
+    assert warning.getMessage().startswith("train data: 1 of 2 pairs dropped for being longer than data.max_length=16")
     with pytest.raises(ValueError, match=f"row 1 of {path} has 63 tokens .* more than data.max_length=16"):
         PreferenceDataset([path], tokenizer, max_length=16, truncation="error")
     later = tmp_path / "later.jsonl"
