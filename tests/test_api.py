@@ -906,6 +906,34 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
     assert trainer.processing_class("1+1=")["input_ids"]
 
 
+def test_callbacks_added_after_the_trainer_is_made_are_called_and_push_to_hub_says_what_uploads():
+    """transformers' Trainer methods a TRL script calls: add_callback, pop_callback/remove_callback, push_to_hub."""
+    from transformers import PrinterCallback, TrainerCallback, TrainerState
+
+    from reinforge import SFTTrainer
+    from reinforge.api.callbacks import CallbackHandler
+
+    steps = []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    trainer = object.__new__(SFTTrainer)  # the callbacks a made trainer holds, without a model to load
+    trainer.callback_handler = CallbackHandler([], SFTConfig(), TrainerState(global_step=3))
+    trainer.add_callback(Recorder)
+    trainer.add_callback(PrinterCallback())
+    assert isinstance(trainer.pop_callback(PrinterCallback), PrinterCallback)
+    assert trainer.pop_callback(PrinterCallback) is None
+    trainer.callback_handler.call("on_step_end")  # as the run calls it after each step
+    assert steps == [3]
+    trainer.remove_callback(Recorder)
+    assert trainer.callback_handler.callbacks == []
+    with pytest.raises(NotImplementedError, match=r"^trainer.push_to_hub\(\): reinforge does not upload; "
+                                                  r"trainer.save_model\(\) writes the model folder"):
+        trainer.push_to_hub()
+
+
 def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(tmp_path, tiny_model_dir):
     """steps_per_generation=4 with gradient_accumulation_steps=2: each reinforge step generates once and makes two
     optimizer steps, which TRL counts one by one (global_step, on_step_end, max_steps, the reward's trainer_state)."""

@@ -149,6 +149,31 @@ class _Trainer:
         self._hook_callbacks()
         self.callback_handler.call("on_init_end")
 
+    def add_callback(self, callback: Any) -> None:
+        """TRL's (transformers'): a callback (class or instance) added to those the run calls."""
+        from reinforge.api.callbacks import callback_objects
+
+        self.callback_handler.callbacks.extend(callback_objects([callback]))
+
+    def pop_callback(self, callback: Any) -> Any:
+        """TRL's: the callback (an instance, or the first of a class) taken out of those the run calls and
+        returned; None where there is none."""
+        for made in self.callback_handler.callbacks:
+            if made is callback or (isinstance(callback, type) and type(made) is callback):
+                self.callback_handler.callbacks.remove(made)
+                return made
+        return None
+
+    def remove_callback(self, callback: Any) -> None:
+        """TRL's: the callback (an instance, or the first of a class) taken out of those the run calls."""
+        self.pop_callback(callback)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """TRL's upload of the model: reinforge does not upload, and says what does, in one line."""
+        raise NotImplementedError("trainer.push_to_hub(): reinforge does not upload; trainer.save_model() writes the "
+                                  "model folder, which huggingface_hub's HfApi().upload_folder(folder_path=..., "
+                                  "repo_id=...) pushes")
+
     def _hook_callbacks(self) -> None:
         """The callbacks into ``self.trainer``'s tracker, and its stop into their ``control``."""
         from reinforge.api.callbacks import CallbackBackend
