@@ -518,6 +518,9 @@ class RemoteRewardConfig:
     Retry-After honoured); then its samples get fallback_score (counted in reward/remote/failed)."""
     fallback_score: float = 0.0
     """Score of a sample whose request failed for good."""
+    api_key_env: Optional[str] = None
+    """The name of an environment variable whose value every request sends as ``Authorization: Bearer <value>`` (the
+    key stays in the environment, out of the run folder's config); None: no Authorization header."""
 
 
 @dataclass

@@ -7,6 +7,8 @@ which runs these too.
 
 from __future__ import annotations
 
+import re
+
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import (
     COMBINE_MODES,
@@ -619,3 +621,6 @@ def validate_remote(remote) -> None:
         raise ConfigError(f"reward.remote.max_retries={remote.max_retries} must be 0 or more")
     _check_timeout("reward.remote.timeout_s", remote.timeout_s, "seconds one request may take in all")
     _finite("reward.remote.fallback_score", remote.fallback_score)
+    if remote.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", remote.api_key_env):
+        raise ConfigError(f"reward.remote.api_key_env={remote.api_key_env!r} is not the name of an environment "
+                          "variable; give the variable's name (e.g. REWARD_API_KEY), not the key itself")

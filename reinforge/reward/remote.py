@@ -25,6 +25,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import socket
 import threading
 import urllib.error
@@ -38,6 +39,19 @@ PROTOCOLS = ("openrlhf", "json")
 
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
+
+
+def authorization_headers(api_key_env: str | None) -> dict[str, str]:
+    """``Authorization: Bearer`` with the value of the environment variable ``api_key_env`` (reward.remote.api_key_env);
+    none without one. A variable that is unset or empty is refused in one line (before any model loads: preflight)."""
+    if api_key_env is None:
+        return {}
+    key = os.environ.get(api_key_env, "").strip()
+    if not key:
+        raise ValueError(f"reward.remote.api_key_env={api_key_env} but the environment variable {api_key_env} is "
+                         f"{'empty' if api_key_env in os.environ else 'not set'}; export {api_key_env}=<the endpoint's "
+                         "key> before the run, or remove reward.remote.api_key_env")
+    return {"Authorization": f"Bearer {key}"}
 
 
 class RemoteRewardError(RuntimeError):

@@ -32,7 +32,7 @@ from reinforge.reward.judge import (
     yes_no_batch,
     yes_no_scores,
 )
-from reinforge.reward.remote import RemoteReward, RemoteSample
+from reinforge.reward.remote import RemoteReward, RemoteSample, authorization_headers
 from reinforge.workers.judge import judge_sampling
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ class RemoteScorer:
         self.tokenizer = policy_tokenizer
         self.client = RemoteReward(settings.url, protocol=settings.protocol, batch_size=settings.batch_size,
                                    max_concurrency=settings.max_concurrency, timeout_s=settings.timeout_s,
-                                   max_retries=settings.max_retries, fallback_score=settings.fallback_score)
+                                   max_retries=settings.max_retries, fallback_score=settings.fallback_score,
+                                   headers=authorization_headers(settings.api_key_env))
 
     def samples(self, batch: Batch) -> list[RemoteSample]:
         """Prompt and response texts, special tokens kept (OpenRLHF decodes its queries so), and the row's columns."""

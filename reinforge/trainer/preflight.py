@@ -56,6 +56,7 @@ from reinforge.models.reward_model import HEADS, check_reward_model
 from reinforge.models.value_model import check_critic_folder, check_critic_reads_policy_ids
 from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
+from reinforge.reward.remote import authorization_headers
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
 from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
@@ -377,6 +378,11 @@ def preflight(config: Config, placement: RolePlacement | None = None,
             check_sendable(function, f"reward_functions[{index}] ({name})")
     reward_inputs = check_reward_model_settings(config)
     check_judge_settings(config)
+    if config.reward.remote.enable:  # the endpoint's key is read from the environment now, not at the first step
+        try:
+            authorization_headers(config.reward.remote.api_key_env)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     # a vision-language model's plan counts the image tokens of its rows (unless data.max_image_tokens bounds them)
     plan_after_data = config.data.max_image_tokens is None and has_auto_settings(config) and \
         ModelShape.from_model_path(config.model.path).vision is not None

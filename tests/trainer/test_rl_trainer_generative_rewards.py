@@ -53,13 +53,15 @@ def test_a_judge_whose_answers_never_parse_stops_the_run(rl_args, tmp_path, caps
 
 
 @pytest.mark.slow
-def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path):
-    received = []
+def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path, monkeypatch):
+    received, keys = [], []
+    monkeypatch.setenv("REWARD_ENDPOINT_KEY", "secret-123")
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             received.append(body)
+            keys.append(self.headers.get("Authorization"))
             data = json.dumps({"scores": [len(query) / 100 for query in body["query"]]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -75,7 +77,8 @@ def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path
         run_dir = tmp_path / "run"
         url = f"http://127.0.0.1:{httpd.server_address[1]}/get_reward"
         args = rl_args(run_dir, **{"trainer.total_steps": 1, "reward.remote.enable": True, "reward.remote.url": url,
-                                   "reward.remote.batch_size": 5, "reward.combine.mode": "sum"})
+                                   "reward.remote.batch_size": 5, "reward.combine.mode": "sum",
+                                   "reward.remote.api_key_env": "REWARD_ENDPOINT_KEY"})
         assert main(["train", *args]) == 0
     finally:
         httpd.shutdown()
@@ -83,6 +86,8 @@ def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path
     assert metrics["reward/remote/requests"] == 4 and metrics["reward/remote/failed"] == 0
     assert sum(len(body["query"]) for body in received) == 16
     assert all(label is not None for body in received for label in body["labels"])  # the rows' ground truths
+    assert keys == ["Bearer secret-123"] * 4
+    assert "secret-123" not in (run_dir / "config.yaml").read_text()  # the key stays in the environment
 
 
 @pytest.mark.parametrize("overrides, line", [
@@ -100,6 +105,11 @@ def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path
       "rollout.name": "native", "reward.judge.max_tokens": 72},
      "error: reward.judge.max_tokens=72 leaves the judge's prompts no room in the policy's native engine"),
     ({"reward.remote.enable": True}, "error: reward.remote.enable=true but reward.remote.url is not set"),
+    ({"reward.remote.enable": True, "reward.remote.url": "http://a", "reward.remote.api_key_env": "REINFORGE_NO_SUCH_KEY"},
+     "error: reward.remote.api_key_env=REINFORGE_NO_SUCH_KEY but the environment variable REINFORGE_NO_SUCH_KEY is not "
+     "set; export REINFORGE_NO_SUCH_KEY=<the endpoint's key> before the run"),
+    ({"reward.remote.enable": True, "reward.remote.url": "http://a", "reward.remote.api_key_env": "sk-live-1"},
+     "error: reward.remote.api_key_env='sk-live-1' is not the name of an environment variable"),
     ({"reward.remote.enable": True, "reward.remote.url": "http://a", "reward.judge.enable": True},
      "error: reward.judge.enable and reward.remote.enable are both true"),
 ])
