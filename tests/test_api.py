@@ -891,6 +891,9 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
                                                         per_device_train_batch_size=2, report_to="none"),
                          train_dataset=rows, callbacks=[Recorder])  # a class, as TRL takes it, or an instance
     untrained = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    saved = AutoModelForCausalLM.from_pretrained(trainer.save_model(tmp_path / "start")).state_dict()
+    for name, tensor in untrained.items():  # before any checkpoint, the model as it starts, as TRL saves it
+        torch.testing.assert_close(saved[name], tensor, msg=name)
     output = trainer.train()
     logged = ["grad_norm", "learning_rate", "loss"]
     assert events == [("on_train_begin", 0, 2, str(tmp_path / "sft")), ("on_step_end", 1), ("on_log", 1, logged),

@@ -315,21 +315,31 @@ class _Trainer:
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
         ``reinforge export`` writes it; returns the folder. The run folder itself (TRL's
-        ``save_model(args.output_dir)``) gets the model's files beside the run's own."""
-        from reinforge.trainer.export import export_checkpoint
-
+        ``save_model(args.output_dir)``) gets the model's files beside the run's own. Before any checkpoint, the
+        model as it starts, as TRL saves the model it holds."""
         target = Path(output_dir) if output_dir else self.output_dir / "final_model"
         if target.resolve() != self.output_dir.resolve():
-            return export_checkpoint(self.output_dir, target, force=True)
+            return self._write_model(target)
         staged = self.output_dir / ".saved_model.partial"
         shutil.rmtree(staged, ignore_errors=True)
-        export_checkpoint(self.output_dir, staged)
+        self._write_model(staged)
         for path in sorted(staged.iterdir()):
             if (self.output_dir / path.name).is_dir():
                 shutil.rmtree(self.output_dir / path.name)
             path.replace(self.output_dir / path.name)
         staged.rmdir()
         return self.output_dir
+
+
+    def _write_model(self, folder: Path) -> Path:
+        """The run's latest checkpoint exported into ``folder`` (written over); the starting model before one."""
+        from reinforge.trainer.export import export_checkpoint
+
+        if self._trained_steps():
+            return export_checkpoint(self.output_dir, folder, force=True)
+        from reinforge.models.export import save_hf_folder
+
+        return save_hf_folder(self.model, self.processing_class, folder)
 
 
 UNSUPPORTED_ARGUMENTS = {
