@@ -98,11 +98,16 @@ class LoopWatch:
             await asyncio.sleep(0.1)
 
     def _watch(self) -> None:
-        told = None
+        told = running = None
+        since = time.monotonic()
         while not self._stopped.wait(0.1) and not self.loop.is_closed():
-            held = time.monotonic() - self.beat
-            task = asyncio.current_task(self.loop) if held > BLOCKED_LOOP_S else None
-            name = self.agents.get(task) if task is not None else None
+            task, now = asyncio.current_task(self.loop), time.monotonic()
+            if task is not running:
+                running, since = task, now
+            # held: the loop made no round and one task ran all along (many agents' short steps in one round are not
+            # one agent holding it)
+            held = min(now - self.beat, now - since)
+            name = self.agents.get(task) if task is not None and held > BLOCKED_LOOP_S else None
             if name is None:
                 told = None
                 continue

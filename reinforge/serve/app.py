@@ -104,7 +104,9 @@ class OpenAIEndpoint:
         self._runner = web.AppRunner(self.application(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
                                      handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        # connections the system holds until the loop accepts them: one per request allowed (the system caps it at its
+        # somaxconn); aiohttp's 128 left hundreds of agents connecting while the loop was busy refused or timed out
+        site = web.TCPSite(self._runner, host, port, backlog=max(128, min(self.max_concurrency, 65535)))
         await site.start()
         bound = site._server.sockets[0].getsockname()  # the port the system chose when port is 0
         self.base_url = f"http://{host if host not in ('0.0.0.0', '::') else '127.0.0.1'}:{bound[1]}"

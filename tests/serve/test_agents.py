@@ -432,3 +432,40 @@ def test_an_agent_that_blocks_the_event_loop_is_named_while_it_holds_it_and_in_i
     assert any("agent 'test_blocking_agent' has held the event loop for" in record.getMessage()
                for record in caplog.records)
     assert not agents.LoopWatch.watches
+
+
+def test_a_trajectory_endpoint_holds_the_connections_of_hundreds_of_agents_while_its_loop_is_busy():
+    """aiohttp listens with a backlog of 128: past it, while the event loop is busy (hundreds of agents making their
+    clients), the system dropped new connections, and agents failed with ReadError or ConnectTimeout, which stopped
+    the rollout."""
+    import select
+    import socket
+    import time
+    from pathlib import Path
+
+    from reinforge.serve.app import OpenAIEndpoint
+
+    somaxconn = Path("/proc/sys/net/core/somaxconn")
+    if not somaxconn.exists() or int(somaxconn.read_text()) < 300:
+        pytest.skip("the system caps a listening socket's backlog below 300 connections")
+
+    async def connect_while_busy() -> int:
+        endpoint = OpenAIEndpoint(None, max_concurrency=1 << 20)  # a rollout's trajectory endpoint
+        port = int((await endpoint.start()).rsplit(":", 1)[1])
+        sockets = []
+        try:
+            for _ in range(300):  # the loop accepts none of them meanwhile
+                connection = socket.socket()
+                connection.setblocking(False)
+                connection.connect_ex(("127.0.0.1", port))
+                sockets.append(connection)
+            pending, deadline = set(sockets), time.monotonic() + 1.0
+            while pending and time.monotonic() < deadline:
+                pending -= set(select.select([], list(pending), [], 0.05)[1])
+            return len(sockets) - len(pending)
+        finally:
+            for connection in sockets:
+                connection.close()
+            await endpoint.close()
+
+    assert asyncio.run(connect_while_busy()) == 300
