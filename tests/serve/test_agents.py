@@ -469,3 +469,32 @@ def test_a_trajectory_endpoint_holds_the_connections_of_hundreds_of_agents_while
             await endpoint.close()
 
     assert asyncio.run(connect_while_busy()) == 300
+
+
+def test_many_agents_steps_in_one_round_of_the_loop_are_not_one_agent_holding_it(monkeypatch, caplog):
+    import time
+
+    from reinforge.agent import AgentContext, AgentRunner
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.serve import agents
+
+    async def quick(base_url, row):
+        time.sleep(0.05)  # as making an AsyncOpenAI client takes
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        await client.chat.completions.create(model="policy", messages=row["raw_prompt"])
+        await client.close()
+        return 1.0
+
+    monkeypatch.setattr(agents, "BLOCKED_LOOP_S", 0.25)
+    tokenizer = build_char_tokenizer()
+    register_openai_agent("test_quick_agent", quick)
+    try:
+        rows = [{"prompt_ids": [1], "raw_prompt": [{"role": "user", "content": "hi"}], "request_id": f"r{index}/0",
+                 "agent_name": "test_quick_agent"} for index in range(10)]
+        runner = AgentRunner(tokenizer, MultiTurnConfig())
+        outputs = runner.run(rows, [SamplingParams(max_tokens=20)] * 10, AgentContext(tokenizer, FixedReply(
+            tokenizer), MultiTurnConfig()).client)
+    finally:
+        del AGENT_LOOPS["test_quick_agent"]
+    assert [output.reward_score for output in outputs] == [1.0] * 10
+    assert not any("held the event loop" in record.getMessage() for record in caplog.records)
