@@ -37,6 +37,7 @@ from typing import Any
 from reinforge.agent.loop import AGENT_LOOPS, AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
 from reinforge.agent.tool_config import import_object
 from reinforge.config.schema import MultiTurnConfig
+from reinforge.protocol import MULTI_MODAL_KEY
 from reinforge.rollout.base import SamplingParams
 from reinforge.serve.app import OpenAIEndpoint
 from reinforge.serve.chat import ChatCodec
@@ -180,6 +181,11 @@ class OpenAIAgentLoop(AgentLoop):
     agent_name = ""
 
     async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
+        if row.get(MULTI_MODAL_KEY):
+            raise ValueError(f"row {str(row.get('request_id', '')).rpartition('/')[0]!r} (uid) has images, but agent "
+                             f"{self.agent_name!r} talks to the model through an endpoint that passes it text alone, "
+                             "and its answers would be trained as answers to the image; give rows with images to "
+                             "tool_agent or another built-in loop, or drop their images")
         endpoint = await _SharedEndpoint.acquire(self.context)
         session = TrajectorySession(sampling, self.context.config, str(row.get("request_id", "")))
         trajectory_id = f"{next(_trajectory_numbers)}-{os.getpid()}"

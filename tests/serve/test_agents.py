@@ -498,3 +498,26 @@ def test_many_agents_steps_in_one_round_of_the_loop_are_not_one_agent_holding_it
         del AGENT_LOOPS["test_quick_agent"]
     assert [output.reward_score for output in outputs] == [1.0] * 10
     assert not any("held the event loop" in record.getMessage() for record in caplog.records)
+
+
+def test_a_row_with_images_is_refused_by_an_openai_agent_in_one_line():
+    """verl's rows keep their images out of the prompt's text ('<image>How many?'): the agent sent that text, and its
+    answers were trained as answers to an image the model never saw."""
+    from reinforge.agent import AgentContext, get_agent_loop
+    from reinforge.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    register_openai_agent("test_image_row_agent", echo_agent)
+    try:
+        context = AgentContext(tokenizer, FixedReply(tokenizer), MultiTurnConfig())
+        row = {"prompt_ids": [1], "raw_prompt": [{"role": "user", "content": "<image>How many?"}], "request_id": "u7/0",
+               "extra_info": {}, "multi_modal_inputs": {"pixel_values": torch.zeros(4, 8),
+                                                        "image_grid_thw": torch.tensor([[1, 2, 2]])}}
+        with pytest.raises(ValueError, match=r"row 'u7' \(uid\) has images, but agent 'test_image_row_agent' talks to "
+                                             r"the model through an endpoint that passes it text alone"):
+            asyncio.run(get_agent_loop("test_image_row_agent")(context).run(SamplingParams(max_tokens=20), **row))
+        output = asyncio.run(get_agent_loop("test_image_row_agent")(context).run(
+            SamplingParams(max_tokens=20), **(row | {"multi_modal_inputs": {}})))  # a text row of the same batch
+        assert output.response_ids
+    finally:
+        del AGENT_LOOPS["test_image_row_agent"]
