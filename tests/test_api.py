@@ -66,6 +66,10 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "actor.policy_loss.clip_ratio_c": math.inf,  # no dual clip without TRL's delta
         "actor.router_aux_loss_coef": "declared",  # a mixture of experts' coefficient, as TRL takes it
         "trainer.val_before_train": False}  # TRL's eval_on_start=False
+    # TRL divides by the group's std + 1e-4 (reinforge's own default is verl's 1e-6); read by GRPO's estimators alone
+    assert GRPOConfig().to_overrides().items() >= {"algorithm.norm_adv_by_std": True,
+                                                   "algorithm.grpo_epsilon": 1e-4}.items()
+    assert "algorithm.grpo_epsilon" not in GRPOConfig(overrides={"algorithm.adv_estimator": "rloo"}).to_overrides()
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
         "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console", "plots"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
@@ -91,7 +95,8 @@ def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
     expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42, "trainer.val_before_train": False}
     if config_class == "GRPOConfig":
         expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0,
-                     "actor.optim.schedule": "linear", "actor.policy_loss.clip_ratio_c": math.inf}
+                     "actor.optim.schedule": "linear", "actor.policy_loss.clip_ratio_c": math.inf,
+                     "algorithm.norm_adv_by_std": True, "algorithm.grpo_epsilon": 1e-4}  # scale_rewards="group"
         assert (args.num_train_epochs, args.max_completion_length, args.learning_rate) == (3, 512, None)
     else:
         expected |= {"data.batch_size": 8, "optim.weight_decay": 0.0, "optim.warmup_ratio": 0.0,

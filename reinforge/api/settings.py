@@ -151,9 +151,16 @@ def _weights(value: Any) -> list[float]:
     return weights
 
 
+TRL_ADVANTAGE_EPSILON = 1e-4
+"""What TRL's GRPOTrainer adds to a group's std before dividing by it (reinforge's own default is verl's 1e-6)."""
+
+GRPO_EPSILON_READERS = ("grpo", "gdpo", "grpo_passk")
+"""The estimators that read algorithm.grpo_epsilon."""
+
+
 def _scale_rewards(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if value in (True, "group"):
-        return {"algorithm.norm_adv_by_std": True}
+        return {"algorithm.norm_adv_by_std": True, "algorithm.grpo_epsilon": TRL_ADVANTAGE_EPSILON}
     if value in (False, "none"):
         return {"algorithm.norm_adv_by_std": False}
     raise ValueError(f"scale_rewards={value!r}: reinforge scales advantages by the group's std (group, true) or not "
@@ -612,11 +619,15 @@ class GRPOConfig(_TrainingArguments):
     SETTINGS = GRPO_SETTINGS
     TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear",
-                    "delta": None, "eval_on_start": False, "router_aux_loss_coef": None}
+                    "delta": None, "eval_on_start": False, "router_aux_loss_coef": None, "scale_rewards": "group"}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
         settings, given = self.with_defaults(), _overrides_dict(self.overrides)
+        if mapped.get("algorithm.adv_estimator", "grpo") not in GRPO_EPSILON_READERS and \
+                "algorithm.grpo_epsilon" not in given:  # another estimator, which reads no std's epsilon
+            mapped.pop("algorithm.grpo_epsilon", None)
+            self._sources.pop("algorithm.grpo_epsilon", None)
         if "data.train_batch_size" in given:
             return mapped
         generations = int(settings.get("num_generations") or mapped.get("rollout.n") or 8)
