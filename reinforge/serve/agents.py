@@ -187,7 +187,8 @@ class OpenAIAgentLoop(AgentLoop):
                              "and its answers would be trained as answers to the image; give rows with images to "
                              "tool_agent or another built-in loop, or drop their images")
         endpoint = await _SharedEndpoint.acquire(self.context)
-        session = TrajectorySession(sampling, self.context.config, str(row.get("request_id", "")))
+        session = TrajectorySession(sampling, self.context.config, str(row.get("request_id", "")),
+                                    getattr(getattr(self.context.client, "engine", None), "max_model_len", None))
         trajectory_id = f"{next(_trajectory_numbers)}-{os.getpid()}"
         base_url = endpoint.open_trajectory(trajectory_id, session)
         result: Any = None
@@ -221,6 +222,9 @@ class OpenAIAgentLoop(AgentLoop):
                 watch.leave(task)
             endpoint.close_trajectory(trajectory_id)
             await _SharedEndpoint.release(self.context)
+        if not session.records and session.ended_why:
+            raise RuntimeError(f"agent {self.agent_name!r}: its first call was refused, so there is no trajectory to "
+                               f"train: {session.ended_why}; keep its first prompt within data.max_prompt_length")
         if not session.records:
             raise RuntimeError(f"agent {self.agent_name!r} made no chat call through its base_url, so there is no "
                                "trajectory to train; point the agent's OpenAI client at the base_url it is given")

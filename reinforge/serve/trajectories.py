@@ -79,16 +79,20 @@ def assemble_segments(records: list[CallRecord]) -> tuple[list[Segment], int]:
 class TrajectorySession(ChatSession):
     """One trajectory's calls, sampled as the trainer sets (the row's sampling) within ``tool_agent``'s budgets."""
 
-    def __init__(self, sampling: SamplingParams, config: MultiTurnConfig, request_id: str = ""):
+    def __init__(self, sampling: SamplingParams, config: MultiTurnConfig, request_id: str = "",
+                 max_model_len: int | None = None):
+        """max_model_len: the engine's context (prompt and sample), where it has one."""
         super().__init__()
         self.sampling = sampling
         self.config = config
         self.request_id = request_id
+        self.max_model_len = max_model_len
         self.ended: str | None = None
+        self.ended_why = ""
         self.generate_seconds = 0.0
 
     def end(self, reason: str, message: str) -> RequestError:
-        self.ended = reason
+        self.ended, self.ended_why = reason, message
         return RequestError(f"the trajectory has ended ({reason}): {message}", code="trajectory_ended")
 
     def turn_sampling(self, prompt_ids: list[int], continues: int | None, requested_max_tokens: int | None,
@@ -113,6 +117,11 @@ class TrajectorySession(ChatSession):
             remaining = budget - response_length
         else:
             remaining = budget
+        if self.max_model_len is not None:  # a prompt rendered anew (a rewritten history) may hold the whole history
+            if len(prompt_ids) >= self.max_model_len:
+                raise self.end("length", f"its prompt of {len(prompt_ids)} tokens fills the engine's context of "
+                                         f"{self.max_model_len} (data.max_prompt_length + data.max_response_length)")
+            remaining = min(remaining, self.max_model_len - len(prompt_ids))
         turn = len(self.records)
         return dataclasses.replace(
             self.sampling, n=1, max_tokens=min(remaining, requested_max_tokens or remaining),

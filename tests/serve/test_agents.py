@@ -521,3 +521,52 @@ def test_a_row_with_images_is_refused_by_an_openai_agent_in_one_line():
         assert output.response_ids
     finally:
         del AGENT_LOOPS["test_image_row_agent"]
+
+
+def test_a_rewritten_history_that_outgrows_the_engines_context_ends_the_trajectory():
+    """A call that rewrites its history is rendered whole: once that outgrew the engine's max_model_len the engine
+    refused it, the call was a 500 and the rollout stopped. It now ends the trajectory ('length'), its last segment
+    trained; a first prompt too long for the engine is named as such."""
+    from types import SimpleNamespace
+
+    from reinforge.agent import AgentContext, get_agent_loop
+    from reinforge.models.tiny import build_char_tokenizer
+
+    class EngineLimit(FixedReply):
+        engine = SimpleNamespace(max_model_len=90)
+
+        async def generate(self, prompt_ids, sampling, request_id, **images):
+            if len(prompt_ids) >= self.engine.max_model_len:  # as the native engine refuses it
+                raise ValueError(f"request {request_id!r} has a prompt of {len(prompt_ids)} tokens")
+            return await super().generate(prompt_ids, sampling, request_id)
+
+    async def rewriting(base_url, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        messages = list(row["raw_prompt"])
+        try:
+            for turn in range(20):  # a system line that names the turn: each call starts a new segment
+                reply = (await client.chat.completions.create(model="policy", messages=[
+                    {"role": "system", "content": f"turn {turn}"}, *messages])).choices[0].message
+                messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        except openai.BadRequestError as error:
+            assert error.code == "trajectory_ended", error
+        finally:
+            await client.close()
+        return 1.0
+
+    tokenizer = build_char_tokenizer()
+    register_openai_agent("test_rewriting_agent", rewriting)
+    try:
+        context = AgentContext(tokenizer, EngineLimit(tokenizer), MultiTurnConfig())
+        row = {"prompt_ids": [1], "raw_prompt": [{"role": "user", "content": "hi"}], "request_id": "r/0"}
+        loop = get_agent_loop("test_rewriting_agent")
+        output = asyncio.run(loop(context).run(SamplingParams(max_tokens=200), **row))
+        assert output.finish_reason == "length" and output.metrics["num_segments"] > 1
+        assert len(output.prompt_ids) + len(output.response_ids) < 90
+        long_row = row | {"raw_prompt": [{"role": "user", "content": "hi" * 60}]}
+        with pytest.raises(RuntimeError, match=r"agent 'test_rewriting_agent': its first call was refused, so there "
+                                               r"is no trajectory to train: its prompt of \d+ tokens fills the "
+                                               r"engine's context of 90"):
+            asyncio.run(loop(context).run(SamplingParams(max_tokens=200), **long_row))
+    finally:
+        del AGENT_LOOPS["test_rewriting_agent"]
