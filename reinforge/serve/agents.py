@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import shlex
+import shutil
 import signal
 import threading
 import time
@@ -296,6 +297,10 @@ def register_configured_agents(config: MultiTurnConfig) -> None:
             agent: Any = tuple(shlex.split(spec[4:]))
             if not agent:
                 raise ValueError(f"{where}={spec!r} names no command; write cmd: followed by the command line")
+            if shutil.which(agent[0]) is None:  # found here, before the model loads, not at the first rollout
+                raise ValueError(f"{where}={spec!r}: {agent[0]!r} is neither a command on PATH nor an executable "
+                                 "file; fix the command's name, or give its path (a script needs its executable bit, "
+                                 "or its interpreter first: cmd:python agent.py)")
         else:
             agent = import_object(spec, where)
             if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)):

@@ -237,11 +237,16 @@ def test_configured_agents_are_registered_once_and_mistakes_are_refused_in_one_l
     (tmp_path / "agents.py").write_text("async def agent(base_url, row):\n    return 1.0\n\ndef plain(base_url, row):\n"
                                         "    return 1.0\n")
     config = MultiTurnConfig(openai_agents={"test_cfg_agent": f"{tmp_path / 'agents.py'}:agent",
-                                            "test_cfg_command": "cmd:python my_agent.py --fast"})
+                                            "test_cfg_command": f"cmd:{sys.executable} my_agent.py --fast"})
     try:
         register_configured_agents(config)
         register_configured_agents(config)  # the preflight, then a worker in the same process
-        assert AGENT_LOOPS["test_cfg_command"].agent == ("python", "my_agent.py", "--fast")
+        assert AGENT_LOOPS["test_cfg_command"].agent == (sys.executable, "my_agent.py", "--fast")
+        (tmp_path / "agent.sh").write_text("echo 1\n")  # no executable bit
+        for command in ("pyhton3 my_agent.py", str(tmp_path / "agent.sh")):  # found only at the first rollout
+            with pytest.raises(ValueError, match=r"openai_agents.test_cfg_typo=.*: '.*' is neither a command on PATH "
+                                                 r"nor an executable file; fix the command's name, or give its path"):
+                register_configured_agents(MultiTurnConfig(openai_agents={"test_cfg_typo": f"cmd:{command}"}))
         with pytest.raises(ValueError, match=r"openai_agents.tool_agent: agent_name 'tool_agent' is already a "
                                              r"registered agent loop; pick another name"):
             register_configured_agents(MultiTurnConfig(openai_agents={"tool_agent": "cmd:true"}))
