@@ -32,6 +32,17 @@ def tool_message(text: str, images: tuple | list, call_id: str | None = None) ->
 def encode_with_images(processor: Any, text: str, images: list) -> tuple[list[int], dict[str, Tensor]]:
     """The token ids of ``text`` (a rendered turn with one image placeholder per image) with each placeholder
     expanded by the processor, and the images' ``pixel_values`` and ``image_grid_thw``."""
+    token = getattr(processor, "image_token", None) or "<|image_pad|>"
+    places = text.count(token)
+    if places < len(images):  # transformers' own error named neither the tool nor the template
+        raise ValueError(f"a tool returned {len(images)} image(s), but the chat template rendered its tool turn with "
+                         f"{places} {token!r} token(s): it shows no image content part of a tool message; set "
+                         "data.chat_template to one that renders {'type': 'image'} parts in tool messages, or return "
+                         "text from the tool")
+    if places > len(images):
+        raise ValueError(f"a tool returned {len(images)} image(s), but its tool turn holds {places} {token!r} tokens: "
+                         f"its text spells {places - len(images)} {token!r}, the model's image token, which would "
+                         "take an image's place; return text without it")
     encoded = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
     return encoded["input_ids"][0].tolist(), {key: encoded[key] for key in IMAGE_KEYS}
 

@@ -155,3 +155,19 @@ def test_a_tools_images_are_read_as_a_rows_are_and_an_unreadable_one_is_the_call
         as_tool_result(ToolResult("x", images=("https://example.com/a.png",)))
     with pytest.raises(ValueError, match=r"^the tool's result: image 1 \(3 bytes\) cannot be read as an image"):
         as_tool_result(ToolResult("x", images=(picture, b"abc")))
+
+
+def test_a_tool_image_whose_turn_the_template_renders_without_it_is_one_line_naming_the_template(vlm):
+    from reinforge.agent.tool_images import encode_with_images
+
+    _, processor = vlm
+    image = Image.new("RGB", (32, 32), (200, 10, 10))
+    turn = "<|im_start|>user\n<tool_response>\n{}crop at 8,8\n</tool_response><|im_end|>\n"
+    with pytest.raises(ValueError, match=r"a tool returned 1 image\(s\), but the chat template rendered its tool turn "
+                                         r"with 0 '<\|image_pad\|>' token\(s\).* set data.chat_template"):
+        encode_with_images(processor, turn.format(""), [image])
+    marker = "<|vision_start|><|image_pad|><|vision_end|>"
+    with pytest.raises(ValueError, match=r"its text spells 1 '<\|image_pad\|>'"):
+        encode_with_images(processor, turn.format(marker + "<|image_pad|>"), [image])
+    ids, inputs = encode_with_images(processor, turn.format(marker), [image])
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
