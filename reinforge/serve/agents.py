@@ -103,7 +103,10 @@ class LoopWatch:
         told = running = None
         since = time.monotonic()
         while not self._stopped.wait(0.1) and not self.loop.is_closed():
-            task, now = asyncio.current_task(self.loop), time.monotonic()
+            try:
+                task, now = asyncio.current_task(self.loop), time.monotonic()
+            except Exception:  # this Python cannot tell another thread's loop's task: nothing to watch
+                return
             if task is not running:
                 running, since = task, now
             # held: the loop made no round and one task ran all along (many agents' short steps in one round are not
