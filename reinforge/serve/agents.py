@@ -122,6 +122,21 @@ class LoopWatch:
                 logger.error("agent %r has held the event loop for %.0f s: %s", name, held, BLOCKING_FIX)
 
 
+def raise_open_file_limit() -> None:
+    """Lift this process's soft limit of open files to its hard limit: each trajectory's connection takes two (the
+    agent's end and the endpoint's), and a desktop's 1,024 ran out at about 500 trajectories, each of them failing to
+    connect."""
+    try:
+        import resource
+    except ImportError:  # not on this system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 class _SharedEndpoint:
     """One endpoint per agent context (a rollout's trajectories share it), closed when its last trajectory ends,
     or, when every trajectory is cancelled while it starts, stopped there (closed if it got to listen)."""
@@ -158,6 +173,7 @@ class _SharedEndpoint:
 
     @staticmethod
     async def _start(context: AgentContext) -> OpenAIEndpoint:
+        raise_open_file_limit()
         for name in HTTP_CLIENT_LOGGERS:  # a line per request at INFO would bury the run's own lines
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)

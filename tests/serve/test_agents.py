@@ -575,3 +575,30 @@ def test_a_rewritten_history_that_outgrows_the_engines_context_ends_the_trajecto
             asyncio.run(loop(context).run(SamplingParams(max_tokens=200), **long_row))
     finally:
         del AGENT_LOOPS["test_rewriting_agent"]
+
+
+def test_a_rollouts_endpoint_lifts_the_soft_limit_of_open_files(monkeypatch):
+    """Each trajectory's connection takes two open files: under a desktop's soft limit of 1,024, about 500 agents
+    failed to connect (ConnectTimeout), and the rollout stopped."""
+    import resource
+    from types import SimpleNamespace
+
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.serve.agents import _SharedEndpoint
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard limit of open files is 256 or less")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        context = SimpleNamespace(tokenizer=build_char_tokenizer(), chat_template=None, config=MultiTurnConfig(),
+                                  renderer=object(), client=None)
+
+        async def main() -> None:
+            await _SharedEndpoint.acquire(context)
+            await _SharedEndpoint.release(context)
+
+        asyncio.run(main())
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
