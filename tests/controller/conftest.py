@@ -17,12 +17,13 @@ _STARTED: list = []
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
+    from reinforge.controller.ray_backend import RAY_SYSTEM_CONFIG
     from reinforge.controller.ray_pool import release_all_pools
 
     if not ray.is_initialized():
         # no idle task workers started ahead: the members are actors, which never reuse them
         ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-                 _system_config={"prestart_worker_first_driver": False})
+                 _system_config={**RAY_SYSTEM_CONFIG, "prestart_worker_first_driver": False})
         _STARTED[:] = [ray]
     yield ray
     release_all_pools()

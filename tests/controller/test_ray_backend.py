@@ -115,6 +115,28 @@ def test_members_form_a_gloo_group_with_rank_and_master_address(group):
     assert group.all_reduce(1.0) == [3.0, 3.0]
 
 
+def test_members_run_at_the_drivers_priority_where_ray_starts_here(group, monkeypatch):
+    """Ray starts its workers at niceness 15: beside other busy processes, a run's members waited on all of them. A
+    Ray instance that connect_ray starts runs them at the driver's niceness; a cluster it joins keeps its own."""
+    from reinforge.controller.ray_backend import RAY_SYSTEM_CONFIG, connect_ray
+
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in group.pid()} == {os.getpriority(os.PRIO_PROCESS, 0)}
+    calls = []
+
+    def init(**settings):
+        calls.append(settings)
+        if "_system_config" in settings and len(calls) == 2:
+            raise ValueError("When connecting to an existing cluster, _system_config must not be provided.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process (one test process shares Ray)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    connect_ray()  # no cluster found: Ray starts here, with the settings
+    connect_ray()  # a `ray start` cluster found on this machine: joined as it is
+    assert [call.get("_system_config") for call in calls] == [RAY_SYSTEM_CONFIG, RAY_SYSTEM_CONFIG, None]
+    assert RAY_SYSTEM_CONFIG["worker_niceness"] == 0
+
+
 def test_a_one_to_all_batch_is_stored_once_per_call(group, monkeypatch):
     stored = []
     original = WireBatch.__reduce__
