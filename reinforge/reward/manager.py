@@ -141,6 +141,7 @@ class RewardManager:
         self._warned_scale = False
         self._warned_constant = False
         self._warned_unscored = False
+        self._warned_some_unscored = False
         self._constant_score: float | None = None
         self._constant_batches = 0
 
@@ -253,11 +254,19 @@ class RewardManager:
             raise ScorerFailure(all_failed_message(report, num_samples, num_timeouts, num_out_of_memory))
         for kind, (function, indices, details) in first_failures.items():
             self._log_once(kind, function, indices, data_sources[indices[0]], details)
-        if num_samples and not self._warned_unscored and np.isnan(function_scores).all():
+        unscored = np.isnan(function_scores).all(axis=0) & ~np.array([failure is not None for failure in failures],
+                                                                     dtype=bool)
+        if num_samples and not self._warned_unscored and unscored.all():
             self._warned_unscored = True  # TRL's "all reward functions returned None", once a run
             logger.warning("every reward function returned None (does not apply) for every sample of a batch "
                            "(data_source %r), so each scores 0 and the batch teaches nothing; return a score where "
                            "a function applies. Warned once.", data_sources[0])
+        elif num_samples and not self._warned_some_unscored and unscored.any() and not unscored.all():
+            self._warned_some_unscored = True
+            first = int(np.flatnonzero(unscored)[0])
+            logger.warning("every reward function returned None (does not apply) for %d of %d samples (the first: "
+                           "data_source %r), so they score 0; give each kind of row a function that scores it. "
+                           "Warned once.", int(unscored.sum()), num_samples, data_sources[first])
         scores = torch.as_tensor(combine(function_scores, [function.weight for function in self.functions]),
                                  dtype=torch.float32)
         failed = torch.tensor([failure is not None for failure in failures], dtype=torch.bool)

@@ -494,6 +494,18 @@ def test_functions_that_score_no_sample_of_a_batch_are_warned_about_once(byte_to
     assert len(warnings) == 1 and "every reward function returned None" in warnings[0] and "\n" not in warnings[0]
 
 
+def test_samples_no_function_scores_are_warned_about_once_where_others_are_scored(byte_tokenizer, caplog):
+    """TRL warns where every function returned None for a sample: such a sample scores 0 as if it were wrong."""
+    batch = make_batch(byte_tokenizer, ["7", "8", "9"], ["7", "skip", "skip"], ["x"] * 3)
+    batch["raw_prompt"] = ["q"] * 3
+    with (RewardManager(RewardConfig(num_workers=0), byte_tokenizer, functions=[exact_or_none]) as manager,
+          caplog.at_level(logging.WARNING, logger="reinforge.reward.manager")):
+        for _ in range(2):
+            assert manager.score(batch).scores.tolist() == [1.0, 0.0, 0.0]
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert warning.startswith("every reward function returned None (does not apply) for 2 of 3 samples")
+
+
 def logging_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
     """What TRL 1.16 gives a reward function besides the rows: log_metric, log_extra and its TrainerState."""
     log_metric("completions/chars", sum(len(completion) for completion in completions) / len(completions))
