@@ -30,6 +30,22 @@ def check_tools(tool_format: str, tools: dict[str, Any]) -> None:
                              f"{type(error).__name__}: {error}; fix the tool or the service it calls") from None
 
 
+def images_refused_by(where: str, agent_name: str) -> str:
+    """The line refusing a row with images (``where`` names it) to an agent loop that talks to the model in text."""
+    return (f"{where} has images, but agent {agent_name!r} talks to the model through an endpoint that passes it text "
+            "alone, and its answers would be trained as answers to the image; give rows with images to tool_agent or "
+            "another built-in loop, or drop their images")
+
+
+def check_images_reach_agents(rows: Iterable[tuple[str, Any, bool]]) -> None:
+    """Raise one line for the first row with images whose agent loop passes the model text alone.
+    rows: (where, agent_name, has_images) per row."""
+    for where, raw_name, has_images in rows:
+        name = agent_name_of(raw_name)
+        if has_images and not getattr(AGENT_LOOPS.get(name), "takes_images", True):
+            raise ValueError(images_refused_by(where, name))
+
+
 def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]) -> None:
     """Raise one line for the first row that names an unknown loop, needs tools without a tool config,
     passes tools_kwargs to a tool the config lacks, or whose create_kwargs / execute_kwargs a tool cannot take

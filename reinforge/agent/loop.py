@@ -68,6 +68,9 @@ class AgentLoop:
     """One trajectory's loop. Subclasses implement ``run``; ``uses_tools`` says whether it needs a tool config."""
 
     uses_tools = False
+    takes_images = True
+    """Whether the row's images reach the model (False: a loop that talks to it in text alone; a row with images
+    is refused before any model loads)."""
 
     def __init__(self, context: AgentContext):
         self.context = context

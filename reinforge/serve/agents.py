@@ -35,6 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from reinforge.agent.checks import images_refused_by
 from reinforge.agent.loop import AGENT_LOOPS, AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
 from reinforge.agent.tool_config import import_object
 from reinforge.config.schema import MultiTurnConfig
@@ -199,13 +200,12 @@ class OpenAIAgentLoop(AgentLoop):
     agent: OpenAIAgent | Sequence[str]
     timeout_s: float | None = None
     agent_name = ""
+    takes_images = False
 
     async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
         if row.get(MULTI_MODAL_KEY):
-            raise ValueError(f"row {str(row.get('request_id', '')).rpartition('/')[0]!r} (uid) has images, but agent "
-                             f"{self.agent_name!r} talks to the model through an endpoint that passes it text alone, "
-                             "and its answers would be trained as answers to the image; give rows with images to "
-                             "tool_agent or another built-in loop, or drop their images")
+            raise ValueError(images_refused_by(f"row {str(row.get('request_id', '')).rpartition('/')[0]!r} (uid)",
+                                               self.agent_name))
         endpoint = await _SharedEndpoint.acquire(self.context)
         session = TrajectorySession(sampling, self.context.config, str(row.get("request_id", "")),
                                     getattr(getattr(self.context.client, "engine", None), "max_model_len", None))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reinforge.agent import check_agent_rows, check_tool_turns, check_tools, load_tools
+from reinforge.agent.checks import check_images_reach_agents
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
     BYPASS_LOSS_TYPES,
@@ -434,6 +435,9 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                           for example in val_set.examples), tools)
     check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
                       for example in dataset.examples), tokenizer, config.data.chat_template)
+    check_images_reach_agents((f"{name} {dataset.where(example)}", example.agent_name, bool(example.images))
+                              for name, dataset in (("train", train_set), ("val", val_set)) if dataset is not None
+                              for example in dataset.examples)
     if reward_inputs is not None:
         check_reward_model_renders(reward_inputs, [dataset for dataset in (train_set, val_set) if dataset is not None],
                                    config.reward.reward_model.model_path)

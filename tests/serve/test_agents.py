@@ -524,6 +524,13 @@ def test_a_row_with_images_is_refused_by_an_openai_agent_in_one_line():
         output = asyncio.run(get_agent_loop("test_image_row_agent")(context).run(
             SamplingParams(max_tokens=20), **(row | {"multi_modal_inputs": {}})))  # a text row of the same batch
         assert output.response_ids
+        # preflight refuses such a row from the data, before any model loads
+        from reinforge.agent.checks import check_images_reach_agents
+
+        check_images_reach_agents([("train row 0", "test_image_row_agent", False), ("train row 1", None, True)])
+        with pytest.raises(ValueError, match=r"^train row 2 has images, but agent 'test_image_row_agent' talks to"):
+            check_images_reach_agents([("train row 1", "tool_agent", True), ("train row 2", "test_image_row_agent",
+                                                                            True)])
     finally:
         del AGENT_LOOPS["test_image_row_agent"]
 
