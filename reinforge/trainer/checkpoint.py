@@ -81,6 +81,18 @@ def seal(folder: Path, step: int) -> dict[str, Any]:
     return manifest
 
 
+def newest_usable(run_dir: str | Path, problem_of: Callable[[Path], str | None]) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint of ``run_dir`` that ``problem_of`` finds nothing wrong with (None: none is), and
+    "step_N: problem" for each newer one skipped (or each of them, where none is usable)."""
+    skipped = []
+    for folder in CheckpointManager(run_dir, keep_last=1).step_folders():
+        problem = problem_of(folder)
+        if problem is None:
+            return folder, skipped
+        skipped.append(f"{folder.name}: {problem}")
+    return None, skipped
+
+
 def checkpoint_problem(folder: Path, *, hashes: bool = True,
                        may_be_missing: Callable[[str], bool] | None = None) -> str | None:
     """Why ``folder`` is not a complete checkpoint (None when its files match its manifest).

@@ -65,7 +65,7 @@ def checkpoint_to_evaluate(path: str) -> str:
     """``path``, or for a run folder (``checkpoints/`` and no config.json) its newest checkpoint that is complete, as
     resume chooses (its files of the sizes its manifest lists, its ``hf/`` model whole), naming in one warning the
     newer ones it skips; a checkpoint folder given itself is refused in one line where it is incomplete."""
-    from reinforge.trainer.checkpoint import MANIFEST_FILE, CheckpointManager
+    from reinforge.trainer.checkpoint import MANIFEST_FILE, newest_usable
 
     folder = Path(path).expanduser()
     if not folder.is_dir() or (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
@@ -82,15 +82,12 @@ def checkpoint_to_evaluate(path: str) -> str:
         return path
     if not (folder / "checkpoints").is_dir():
         return path
-    skipped = []
-    for checkpoint in CheckpointManager(folder, keep_last=1).step_folders():
-        problem = _checkpoint_problem(checkpoint)
-        if problem is None:
-            if skipped:
-                logger.warning("evaluating %s, the newest complete checkpoint of %s; skipped %s", checkpoint.name,
-                               path, "; ".join(skipped))
-            return str(checkpoint)
-        skipped.append(f"{checkpoint.name}: {problem}")
+    checkpoint, skipped = newest_usable(folder, _checkpoint_problem)
+    if checkpoint is not None:
+        if skipped:
+            logger.warning("evaluating %s, the newest complete checkpoint of %s; skipped %s", checkpoint.name, path,
+                           "; ".join(skipped))
+        return str(checkpoint)
     if skipped:
         raise ConfigError(f"reinforge eval: run folder {path} has no complete checkpoint ({'; '.join(skipped)}); give "
                           "an HF model folder, or a run folder whose checkpoint was written whole")

@@ -32,7 +32,7 @@ from reinforge.models import load_causal_lm, save_hf_folder
 from reinforge.models.loading import DTYPES, NO_HUB_KERNELS, is_local_path
 from reinforge.models.reward_model import classifier_auto_class
 from reinforge.models.vision import is_vision_language, load_processor
-from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
+from reinforge.trainer.checkpoint import checkpoint_problem, newest_usable
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if problem is not None:
             raise ValueError(f"checkpoint {path} is not usable: {problem}; export another checkpoint")
         return path
-    skipped = []
-    for folder in CheckpointManager(path, keep_last=1).step_folders():
-        problem = export_problem(folder)
-        if problem is None:
-            if skipped:
-                logger.warning("exporting %s, the newest usable checkpoint; skipped %s", folder.name, "; ".join(skipped))
-            return folder
-        skipped.append(f"{folder.name}: {problem}")
+    folder, skipped = newest_usable(path, export_problem)
+    if folder is not None:
+        if skipped:
+            logger.warning("exporting %s, the newest usable checkpoint; skipped %s", folder.name, "; ".join(skipped))
+        return folder
     if skipped:
         raise ValueError(f"no checkpoint of {path} is usable ({'; '.join(skipped)}); pass another checkpoint "
                          "folder (RUN_DIR/checkpoints/step_N)")

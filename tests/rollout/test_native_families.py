@@ -106,12 +106,19 @@ def test_bfloat16_on_the_pytorch_path_samples_generates_tokens():
     are rounded back before the cache (a float32 key into the bf16 cache failed)."""
     model = family_model("olmo2", torch.bfloat16)
     engine = make_engine(model, False)
-    batch = prompts(PROMPT_LENGTHS)
-    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
-    for prompt, (completion,) in zip(batch, engine.generate([GenerationRequest(p, greedy) for p in batch]),
-                                     strict=True):
-        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS)
+    for prompt, completion in greedy_matches_generate(model, engine, prompts(PROMPT_LENGTHS)):
         assert (torch.tensor(completion.log_probs) - hf_log_probs(model, prompt, completion.token_ids)).abs().max() < 2e-2
+
+
+def greedy_matches_generate(model, engine, batch):
+    """The engine's greedy completions of ``batch``, each checked against transformers' greedy tokens: (prompt,
+    completion) pairs."""
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    pairs = list(zip(batch, [completion for (completion,) in engine.generate([GenerationRequest(p, greedy)
+                                                                            for p in batch])], strict=True))
+    for prompt, completion in pairs:
+        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS)
+    return pairs
 
 
 @pytest.mark.parametrize("family", UNWINDOWED)
@@ -136,10 +143,7 @@ def test_released_configs_sample_generates_tokens_and_a_forwards_log_probs(name)
     model = released_model(name, vocab_size=128, seed=3).to(DEVICE).eval()
     engine = make_engine(model, False)
     batch = prompts(PROMPT_LENGTHS)
-    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
-    for prompt, (completion,) in zip(batch, engine.generate([GenerationRequest(p, greedy) for p in batch]),
-                                     strict=True):
-        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS)
+    greedy_matches_generate(model, engine, batch)
     sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
     for prompt, samples in zip(batch, engine.generate([GenerationRequest(p, sampling) for p in batch]), strict=True):
         for sample in samples:

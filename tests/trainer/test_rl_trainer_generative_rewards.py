@@ -145,50 +145,20 @@ def test_a_judge_without_the_chat_template_it_is_asked_to_use_is_warned_about(ti
     assert not [record for record in caplog.records if record.levelname == "WARNING"]
 
 
-def test_a_judge_that_times_out_on_every_sample_three_steps_in_a_row_stops_the_run():
-    """A batch scored only by fallbacks teaches nothing: once is a warning, three steps in a row end the run."""
+def timed_out(*args, **kwargs):
+    from reinforge.controller import WorkerTimeoutError
+
+    raise WorkerTimeoutError("deadline")
+
+
+def judge_that_times_out():
+    """The policy as a yes/no judge whose every call times out, its config, and a batch of two samples to judge."""
     import sys
     from types import SimpleNamespace
 
     from reinforge.config.schema import Config
-    from reinforge.controller import WorkerTimeoutError
     from reinforge.models.tiny import build_char_tokenizer
     from reinforge.trainer.generative_rewards import JudgeScorer
-
-    def timed_out(*args, **kwargs):
-        raise WorkerTimeoutError("deadline")
-
-    call = SimpleNamespace(with_timeout=lambda seconds: timed_out)
-    config = Config()
-    config.reward.judge.model_path, config.reward.judge.parse = "policy", "yes_no"
-    config.reward.judge.template = "Is {response} right for {prompt}? Answer Y or N."
-    config.reward.judge.yes_token, config.reward.judge.no_token = "Y", "N"
-    tokenizer = build_char_tokenizer()
-    scorer = JudgeScorer(config, SimpleNamespace(compute_log_prob=call, generate=call), tokenizer)
-    sys.path.insert(0, str(Path(__file__).parents[1] / "reward"))
-    from test_judge import policy_batch
-
-    batch = policy_batch(tokenizer, ["2+2?", "3*3?"], ["4", "it is 8"])
-    for _ in range(2):
-        scores, metrics = scorer(batch, step=1)
-        assert metrics["reward/judge/timeouts"] == len(batch)
-    with pytest.raises(RuntimeError, match="on every sample of 3 steps in a row"):
-        scorer(batch, step=3)
-
-
-def test_a_run_shorter_than_three_steps_whose_judge_timed_out_on_every_call_does_not_end_as_a_success(monkeypatch):
-    """Each step of a two-step run scored only fallbacks: the run ends in one line, not as a success."""
-    import sys
-    from types import SimpleNamespace
-
-    from reinforge.config.schema import Config
-    from reinforge.controller import WorkerTimeoutError
-    from reinforge.models.tiny import build_char_tokenizer
-    from reinforge.protocol import Batch
-    from reinforge.trainer.generative_rewards import JudgeScorer
-
-    def timed_out(*args, **kwargs):
-        raise WorkerTimeoutError("deadline")
 
     call = SimpleNamespace(with_timeout=lambda seconds: timed_out)
     config = Config()
@@ -200,7 +170,26 @@ def test_a_run_shorter_than_three_steps_whose_judge_timed_out_on_every_call_does
     sys.path.insert(0, str(Path(__file__).parents[1] / "reward"))
     from test_judge import policy_batch
 
-    batch = policy_batch(tokenizer, ["2+2?", "3*3?"], ["4", "it is 8"])
+    return scorer, config, policy_batch(tokenizer, ["2+2?", "3*3?"], ["4", "it is 8"])
+
+
+def test_a_judge_that_times_out_on_every_sample_three_steps_in_a_row_stops_the_run():
+    """A batch scored only by fallbacks teaches nothing: once is a warning, three steps in a row end the run."""
+    scorer, _, batch = judge_that_times_out()
+    for _ in range(2):
+        scores, metrics = scorer(batch, step=1)
+        assert metrics["reward/judge/timeouts"] == len(batch)
+    with pytest.raises(RuntimeError, match="on every sample of 3 steps in a row"):
+        scorer(batch, step=3)
+
+
+def test_a_run_shorter_than_three_steps_whose_judge_timed_out_on_every_call_does_not_end_as_a_success(monkeypatch):
+    """Each step of a two-step run scored only fallbacks: the run ends in one line, not as a success."""
+    from types import SimpleNamespace
+
+    from reinforge.protocol import Batch
+
+    scorer, config, batch = judge_that_times_out()
     trainer = rl_trainer.RLTrainer.__new__(rl_trainer.RLTrainer)
     trainer.config, trainer.mode, trainer.step, trainer.model_scorer = config, None, 0, scorer
 
