@@ -314,7 +314,8 @@ class RemoteReward:
                 if self.closed.is_set():
                     raise RemoteRewardError(f"{url}: the remote reward was closed while its request was under way")
                 if retries >= self.max_retries:
-                    raise RemoteRewardError(f"{url} failed {retries + 1} times, last: {reason} (timeout_s="
+                    tries = "once" if retries == 0 else f"{retries + 1} times"
+                    raise RemoteRewardError(f"{url} failed {tries}, last: {reason} (timeout_s="
                                             f"{self.timeout_s:g}, max_retries={self.max_retries})")
                 retries += 1
                 self.closed.wait(min(wait if wait is not None else self.backoff_s * 2 ** (retries - 1), MAX_BACKOFF_S))

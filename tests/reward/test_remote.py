@@ -207,7 +207,7 @@ def test_timeout_s_bounds_the_whole_request_against_a_server_that_trickles(trick
     threading.Thread(target=trickle, daemon=True).start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/get_reward"
     start = time.monotonic()
-    with pytest.raises(RemoteRewardError, match=rf"^the remote reward scored none of 1 samples: {url} failed 1 times, "
+    with pytest.raises(RemoteRewardError, match=rf"^the remote reward scored none of 1 samples: {url} failed once, "
                                                 r"last: no whole answer within timeout_s: a slow or trickling server "
                                                 r"\(timeout_s=0.5, max_retries=0\); "):
         RemoteReward(url, timeout_s=0.5, max_retries=0).score(SAMPLES[:1])
