@@ -459,6 +459,11 @@ def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path)
     assert write_dataset("data/train.parquet", tmp_path, "train") == ["data/train.parquet"]
     with pytest.raises(TypeError, match="train_dataset must be a datasets.Dataset, a pandas DataFrame"):
         write_dataset(42, tmp_path, "train")
+    datasets = pytest.importorskip("datasets")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "1+1="}])})
+    with pytest.raises(TypeError, match=r"got a DatasetDict \(a DatasetDict of splits 'train': pass one, e.g. "
+                                        r"dataset\['train'\]\)$"):
+        write_dataset(splits, tmp_path, "train")
     with pytest.raises(ValueError, match=r"^train_dataset cannot be stored as parquet: column 'prompt' holds values "
                                          r"of types str \(row 0\) and list \(row 1\); .* not both\)$"):
         write_dataset([{"prompt": "1+1="}, {"prompt": [{"role": "user", "content": "2+2="}]}], tmp_path / "mixed", "train")

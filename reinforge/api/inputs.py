@@ -203,8 +203,12 @@ def _rows_of(dataset: Any, name: str) -> list[dict[str, Any]]:
         return [dict(row) for row in dataset.to_list()]
     if isinstance(dataset, Sequence) and all(isinstance(row, Mapping) for row in dataset):
         return [dict(row) for row in dataset]
+    splits = list(dataset.keys()) if isinstance(dataset, Mapping) and dataset and all(
+        hasattr(split, "column_names") for split in dataset.values()) else []
+    hint = f" (a DatasetDict of splits {', '.join(map(repr, splits))}: pass one, e.g. dataset[{splits[0]!r}])" \
+        if splits else ""
     raise TypeError(f"{name}_dataset must be a datasets.Dataset, a pandas DataFrame, a list of dicts or data files; "
-                    f"got a {type(dataset).__name__}")
+                    f"got a {type(dataset).__name__}{hint}")
 
 
 def _plain(value: Any) -> Any:
