@@ -881,7 +881,7 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
 
     from reinforge import SFTTrainer
 
-    events = []
+    events, epochs = [], []
 
     class Recorder(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -892,6 +892,7 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             events.append(("on_log", state.global_step, sorted({"loss", "learning_rate", "grad_norm"} & set(logs))))
+            epochs.append((state.epoch, logs.get("epoch")))
 
         def on_train_end(self, args, state, control, **kwargs):
             events.append(("on_train_end", state.global_step))
@@ -908,6 +909,7 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
     logged = ["grad_norm", "learning_rate", "loss"]
     assert events == [("on_train_begin", 0, 2, str(tmp_path / "sft")), ("on_step_end", 1), ("on_log", 1, logged),
                       ("on_step_end", 2), ("on_log", 2, logged), ("on_train_end", 2)]
+    assert epochs == [(0.5, 0.5), (1.0, 1.0)]  # as TRL's state.epoch: 2 steps of 2 rows an epoch of 4
     history = trainer.state.log_history
     assert [row["step"] for row in history] == [1, 2, 2] and trainer.state.global_step == 2
     assert [row["loss"] for row in history[:2]] == [row["train/loss"] for row in read_metrics(tmp_path / "sft")]

@@ -14,7 +14,7 @@ the run after the reinforge step it was set in (a checkpoint saved, as at the la
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +130,19 @@ class CallbackBackend(TrackingBackend):
     step's ``on_step_end`` (one per optimizer step of it, ``updates``), then ``on_log`` for every row (a validation
     before training too)."""
 
-    def __init__(self, handler: CallbackHandler, updates: int = 1) -> None:
+    def __init__(self, handler: CallbackHandler, updates: int = 1,
+                 epoch_now: Callable[[], float] | None = None) -> None:
+        """``epoch_now``: the epochs of data the run has used (fractional, as TRL's ``state.epoch``); None: the
+        logged ``training/epoch`` (whole epochs)."""
         self.handler = handler
         self.updates = updates
+        self.epoch_now = epoch_now
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         state = self.handler.state
         logs = trl_logs(metrics)
+        if self.epoch_now is not None and step > 0:  # a trained step's row (a validation before training is step 0)
+            logs["epoch"] = float(self.epoch_now())
         if "epoch" in logs:
             state.epoch = float(logs["epoch"])
         if "training/global_step" in metrics and not metrics.get("training/skipped_step"):

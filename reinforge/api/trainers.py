@@ -180,7 +180,12 @@ class _Trainer:
 
         tracker = getattr(self.trainer, "tracker", None)
         if tracker is not None:
-            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler, self.updates)
+            loader = getattr(self.trainer, "train_loader", None)
+            epoch_now = None
+            if all(hasattr(loader, name) for name in ("epoch", "position", "__len__")):
+                def epoch_now() -> float:  # TRL's state.epoch: whole epochs and the share of the current one
+                    return loader.epoch + loader.position / max(1, len(loader))
+            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler, self.updates, epoch_now)
         if self.trainer is not None:
             self.trainer.stop_requested = self.callback_handler.stop_requested
             self._evaluate_as_asked()
