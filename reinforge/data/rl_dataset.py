@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,9 @@ def check_chat_messages(messages: list[Any], where: str, content_parts: bool = F
     with ``tool_calls`` may have: its content is the calls. With ``content_parts`` (a vision-language model's
     data) a content may also be a list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts.
     """
+    if len(messages) and all(isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in messages):
+        raise ValueError(f"{where} is a list of {len(messages)} token ids; reinforge reads text or chat messages and "
+                         "tokenizes them with the model's tokenizer itself: give the text column instead of the ids")
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
             raise ValueError(f"message {number} of {where} is {message!r}; each message is a dict with a 'role' "

@@ -145,6 +145,8 @@ def test_from_config_reads_train_and_val_files(tmp_path, tiny_tokenizer):
     ({"data_source": "x", "prompt": []}, r"row 1 of .*train.jsonl has an empty 'prompt'"),
     ({"data_source": "x", "prompt": {"role": "user"}}, r"row 1 of .*train.jsonl has a 'prompt' of type dict"),
     ({"data_source": "x", "prompt": [{"content": "hi"}]}, r"message 0 of the 'prompt' in row 1 of .*train.jsonl"),
+    ({"data_source": "x", "prompt": [5, 17, 3]}, r"^the 'prompt' in row 1 of .*train.jsonl is a list of 3 token ids; "
+                                                 r".* give the text column instead of the ids$"),
     ({"data_source": "x", "prompt": json.dumps([{"role": "user", "content": "hi"}])},
      r"^row 1 of .*train.jsonl has a 'prompt' that is chat messages written as JSON text, which the model would read"),
 ])
