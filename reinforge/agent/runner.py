@@ -263,9 +263,9 @@ def tool_call_counts(output: AgentLoopOutput) -> tuple[int, int]:
     return int(reached), int(failed)
 
 
-def calls_reaching_tools(outputs: list[AgentLoopOutput]) -> tuple[int, int]:
-    """``tool_call_counts`` summed over a rollout's trajectories."""
-    counts = [tool_call_counts(output) for output in outputs]
+def calls_reaching_tools(counts: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """``tool_call_counts`` of a rollout's trajectories summed: (calls that reached a tool, those that failed)."""
+    counts = [(int(reached), int(failed)) for reached, failed in counts]
     return sum(reached for reached, _ in counts), sum(failed for _, failed in counts)
 
 
@@ -276,7 +276,7 @@ def failed_tools(counts: Iterable[tuple[int, int]]) -> str | None:
     them failed, in every trajectory or in at least ``TOOL_FAILURE_MIN_CALLS`` calls: trained, it would teach the
     model that tools answer with errors, and the optimizer would still apply momentum and weight decay."""
     counts = [(int(reached), int(failed)) for reached, failed in counts]
-    total_reached, total_failed = sum(reached for reached, _ in counts), sum(failed for _, failed in counts)
+    total_reached, total_failed = calls_reaching_tools(counts)
     if total_reached == 0 or total_failed < total_reached:
         return None
     if total_reached < TOOL_FAILURE_MIN_CALLS and not all(reached > 0 for reached, _ in counts):
@@ -316,8 +316,7 @@ class ToolFailureCheck:
 
     def check(self, counts: Iterable[tuple[int, int]]) -> None:
         """counts: ``tool_call_counts`` of each trajectory of one rollout."""
-        counts = [(int(reached), int(failed)) for reached, failed in counts]
-        reached, failed = sum(each for each, _ in counts), sum(each for _, each in counts)
+        reached, failed = calls_reaching_tools(counts)
         if reached < TOOL_FAILURE_MIN_CALLS:
             return
         self.failed_in_a_row = self.failed_in_a_row + 1 if failed == reached else 0

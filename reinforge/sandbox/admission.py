@@ -60,7 +60,7 @@ class SlotPool:
         """A free slot's number; QueueFull or QueueTimeout when there is none to have."""
         with self._condition:
             if not self._free or self._waiting:
-                if len(self._waiting) >= self._max_queued:
+                if self._queue_is_full():
                     raise QueueFull()
                 ticket = object()
                 self._waiting.append(ticket)
@@ -81,7 +81,11 @@ class SlotPool:
     def full(self) -> bool:
         """Whether ``acquire`` would raise QueueFull now: every slot busy, or waited for, and the queue full."""
         with self._condition:
-            return (not self._free or bool(self._waiting)) and len(self._waiting) >= self._max_queued
+            return (not self._free or bool(self._waiting)) and self._queue_is_full()
+
+    def _queue_is_full(self) -> bool:
+        """Under the lock: no room for another waiter."""
+        return len(self._waiting) >= self._max_queued
 
     def stats(self) -> dict[str, int]:
         with self._condition:

@@ -229,11 +229,6 @@ class SandboxServer:
         return 503, {"detail": f"all {self.settings.num_slots} slots busy and {self.settings.max_queued} requests "
                                "queued; retry later"}, 1.0
 
-    def handle(self, request: RunCodeRequest) -> tuple[int, dict[str, Any], float | None]:
-        """(HTTP code, body, Retry-After seconds) for a valid request: ``admit``, then ``run``."""
-        refusal = self.admit()
-        return refusal if refusal is not None else self.run(request)
-
     def run(self, request: RunCodeRequest) -> tuple[int, dict[str, Any], float | None]:
         """(HTTP code, body, Retry-After seconds) for a valid request ``admit`` let in: a slot, then the program."""
         try:

@@ -232,7 +232,7 @@ class OpenAIAgentLoop(AgentLoop):
                                            "to train; check that it calls the base_url it is given, or raise the "
                                            "timeout") from None
                 else:
-                    held = watch.leave(task) if watch is not None else 0.0
+                    held = watch.blocked.get(task, 0.0) if watch is not None else 0.0  # it leaves below
                     if session.ended is None:
                         blocked = f" after holding the event loop for {held:.0f} s ({BLOCKING_FIX})" if held else ""
                         raise RuntimeError(f"agent {self.agent_name!r} raised {type(error).__name__}: "

@@ -67,18 +67,17 @@ def _netrc_has_password(host: str) -> bool:
 def _wandb_api_key_found(wandb: ModuleType) -> bool:
     """W&B has an API key here, asked without prompting: the run's settings (a ``wandb offline`` settings file needs
     none), the key in ``~/.netrc`` for W&B's host, then ``wandb.api.api_key`` (which also knows a key given to
-    ``wandb.login`` in this process). Printing nothing."""
-    try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            settings: Any = wandb.sdk.wandb_setup.singleton().settings  # ("Loading settings from ...")
-    except Exception:  # another wandb version: ask it by its public attribute only
-        settings = None
-    if settings is not None and (getattr(settings, "_offline", False) or getattr(settings, "_noop", False)):
-        return True
-    host = urlparse(str(getattr(settings, "base_url", None) or "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    if _netrc_has_password(host) or getattr(settings, "api_key", None):
-        return True
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # its deprecation line
+    ``wandb.login`` in this process). Printing nothing ("Loading settings from ...", a deprecation line)."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            settings: Any = wandb.sdk.wandb_setup.singleton().settings
+        except Exception:  # another wandb version: ask it by its public attribute only
+            settings = None
+        if settings is not None and (getattr(settings, "_offline", False) or getattr(settings, "_noop", False)):
+            return True
+        host = urlparse(str(getattr(settings, "base_url", None) or "https://api.wandb.ai")).hostname or "api.wandb.ai"
+        if _netrc_has_password(host) or getattr(settings, "api_key", None):
+            return True
         return bool(wandb.api.api_key)
 
 

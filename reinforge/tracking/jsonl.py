@@ -165,15 +165,13 @@ class JsonlBackend(TrackingBackend):
         self._samples: IO[str] | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        # a metric named "step" (a reward function's log_metric) leaves the row's own step as it is, as TRL's
-        # log_history keeps it: resume, plots and bench read the step of each row
-        append_json_line(self._metrics, {**metrics, "step": step} if "step" in metrics else {"step": step, **metrics})
+        append_json_line(self._metrics, _with_step(metrics, step))
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         if self._samples is None:
             self._samples = open_for_appending(self.samples_path)
         for row in rows:
-            append_json_line(self._samples, {**row, "step": step} if "step" in row else {"step": step, **row})
+            append_json_line(self._samples, _with_step(row, step))
 
     def truncate_after(self, step: int) -> None:
         self.close()
@@ -189,3 +187,9 @@ class JsonlBackend(TrackingBackend):
             with contextlib.suppress(OSError):
                 self._samples.close()
             self._samples = None
+
+
+def _with_step(record: dict[str, Any], step: int) -> dict[str, Any]:
+    """``record`` as a line: ``step`` first, and the row's own step even where the record has a value named "step"
+    (a reward function's log_metric), as TRL's log_history keeps it: resume, plots and bench read each row's step."""
+    return {**record, "step": step} if "step" in record else {"step": step, **record}
