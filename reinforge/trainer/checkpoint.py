@@ -81,6 +81,12 @@ def seal(folder: Path, step: int) -> dict[str, Any]:
     return manifest
 
 
+def is_hf_weights(name: str) -> bool:
+    """Whether a checkpoint's file ``name`` holds its ``hf/`` model's weights (which may be removed to save space:
+    ``actor_state.pt`` keeps them, and ``reinforge export`` writes them again)."""
+    return name.startswith("hf/") and name.endswith((".safetensors", ".safetensors.index.json", ".bin"))
+
+
 def newest_usable(run_dir: str | Path, problem_of: Callable[[Path], str | None]) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of ``run_dir`` that ``problem_of`` finds nothing wrong with (None: none is), and
     "step_N: problem" for each newer one skipped (or each of them, where none is usable)."""

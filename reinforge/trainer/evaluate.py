@@ -71,11 +71,10 @@ def checkpoint_to_evaluate(path: str) -> str:
     if not folder.is_dir() or (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
         return path
     if (folder / MANIFEST_FILE).is_file() or (folder / "trainer_state.pt").is_file():  # a checkpoint folder
-        from reinforge.trainer.checkpoint import checkpoint_problem
+        from reinforge.trainer.checkpoint import checkpoint_problem, is_hf_weights
 
         # hf/ weights removed to save space are said by model_folder, which points at reinforge export
-        problem = checkpoint_problem(folder, hashes=False, may_be_missing=lambda name: name.startswith("hf/") and
-                                     name.endswith((".safetensors", ".safetensors.index.json", ".bin")))
+        problem = checkpoint_problem(folder, hashes=False, may_be_missing=is_hf_weights)
         if problem is not None:
             raise ConfigError(f"reinforge eval: checkpoint {path} is incomplete: {problem}; give another checkpoint, "
                               f"or the run folder {folder.parent.parent} for its newest complete one")

@@ -32,19 +32,15 @@ from reinforge.models import load_causal_lm, save_hf_folder
 from reinforge.models.loading import DTYPES, NO_HUB_KERNELS, is_local_path
 from reinforge.models.reward_model import classifier_auto_class
 from reinforge.models.vision import is_vision_language, load_processor
-from reinforge.trainer.checkpoint import checkpoint_problem, newest_usable
+from reinforge.trainer.checkpoint import checkpoint_problem, is_hf_weights, newest_usable
 
 logger = logging.getLogger(__name__)
-
-
-def _is_hf_weights(name: str) -> bool:
-    return name.startswith("hf/") and name.endswith((".safetensors", ".safetensors.index.json", ".bin"))
 
 
 def export_problem(folder: Path) -> str | None:
     """Why ``folder`` cannot be exported (None when it can): ``checkpoint_problem``, except that ``hf/`` weights
     removed to save space are allowed, since export reads the weights from ``actor_state.pt``."""
-    return checkpoint_problem(folder, may_be_missing=_is_hf_weights)
+    return checkpoint_problem(folder, may_be_missing=is_hf_weights)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

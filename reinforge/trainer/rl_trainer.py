@@ -536,15 +536,14 @@ def _group_builder(config: Config, placement: RolePlacement, log_dir: Path,
                    roles: list[str]) -> Callable[..., WorkerGroup]:
     """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend.
 
-    On Ray, the pools of ``roles`` are checked against the cluster first: a run the cluster cannot hold stops
-    before any model loads, not when a later role's pool waits for devices that are taken."""
+    On Ray, preflight has checked the pools of ``roles`` against the cluster (``check_ray_cluster``): a run the
+    cluster cannot hold stopped before any model loads."""
     trainer = config.trainer
     group_class: type[WorkerGroup] = WorkerGroup
     if trainer.backend == "ray":
-        from reinforge.controller.ray_backend import RayWorkerGroup, check_cluster_holds, connect_ray
+        from reinforge.controller.ray_backend import RayWorkerGroup, connect_ray
 
         connect_ray(trainer.ray_address, log_dir=log_dir, device=trainer.device)
-        check_cluster_holds([placement.pool_for(role) for role in roles])
         group_class = RayWorkerGroup
 
     def build(worker_cls: type, *init_args: Any, role: str, **init_kwargs: Any) -> WorkerGroup:
