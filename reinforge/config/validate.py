@@ -548,10 +548,8 @@ def validate_reward_model(config: Config) -> None:
             raise ConfigError(f"reward.judge.model_path=policy judges with the policy's own engine, which "
                               f"trainer.mode={config.trainer.mode} keeps generating; use trainer.mode=sync, or a judge "
                               "model of its own (reward.judge.model_path=/path/to/judge)")
-        judge, data = config.reward.judge, config.data
-        sequence = data.max_prompt_length + data.max_response_length
-        if judge.model_path == "policy" and config.rollout.name == "native" and judge.parse != "yes_no" \
-                and judge.max_tokens >= sequence:
+        judge, sequence = config.reward.judge, policy_judge_sequence(config)
+        if sequence is not None and judge.max_tokens >= sequence:
             raise ConfigError(f"reward.judge.max_tokens={judge.max_tokens} leaves the judge's prompts no room in the "
                               "policy's native engine, whose sequences hold data.max_prompt_length + "
                               f"data.max_response_length = {sequence} tokens; lower reward.judge.max_tokens, or give "
@@ -602,6 +600,16 @@ def validate_judge(judge) -> None:
             raise ConfigError(f"reward.judge.{key}={getattr(judge, key)} must be at least 1")
     _check_timeout("reward.judge.timeout_s", judge.timeout_s, "seconds the judging of one batch may take")
     _finite("reward.judge.temperature", judge.temperature, at_least=0.0, fix=" (0: greedy)")
+
+
+def policy_judge_sequence(config: Config) -> int | None:
+    """The tokens of a judge's sequence where the policy judges itself on its native engine, generating its answer:
+    the engine's sequences, data.max_prompt_length + data.max_response_length, which a judge prompt and its
+    reward.judge.max_tokens share; None otherwise (a judge of its own sizes its engine; yes_no generates nothing)."""
+    judge, data = config.reward.judge, config.data
+    if judge.model_path != "policy" or config.rollout.name != "native" or judge.parse == "yes_no":
+        return None
+    return data.max_prompt_length + data.max_response_length
 
 
 def validate_remote(remote) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from reinforge.config import Config
+from reinforge.config.validate import policy_judge_sequence
 from reinforge.controller import WorkerGroup, WorkerTimeoutError
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
@@ -122,17 +123,16 @@ def judge_prompt_length(config: Config) -> int:
     """The tokens a judge prompt keeps: reward.judge.max_prompt_length, or where the policy judges itself on the native
     engine, whose sequences hold data.max_prompt_length + data.max_response_length tokens and which refuses a longer
     prompt, what leaves reward.judge.max_tokens of them for the answer (one warning line)."""
-    settings, data = config.reward.judge, config.data
-    if settings.model_path != "policy" or config.rollout.name != "native" or settings.parse == "yes_no":
-        return settings.max_prompt_length  # a judge of its own sizes its engine for it; yes_no generates nothing
-    room = data.max_prompt_length + data.max_response_length - settings.max_tokens
+    settings, sequence = config.reward.judge, policy_judge_sequence(config)
+    if sequence is None:
+        return settings.max_prompt_length
+    room = sequence - settings.max_tokens
     if room >= settings.max_prompt_length:
         return settings.max_prompt_length
     logger.warning("reward.judge.max_prompt_length=%d is cut to %d tokens: the policy judges itself on its native "
                    "engine, whose sequences hold data.max_prompt_length + data.max_response_length = %d tokens, "
                    "reward.judge.max_tokens=%d of them for the answer; a longer judge prompt keeps its last tokens "
-                   "(reward/judge/prompts_cut)", settings.max_prompt_length, room,
-                   data.max_prompt_length + data.max_response_length, settings.max_tokens)
+                   "(reward/judge/prompts_cut)", settings.max_prompt_length, room, sequence, settings.max_tokens)
     return room
 
 
