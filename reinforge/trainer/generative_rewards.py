@@ -60,8 +60,8 @@ class JudgeScorer:
         self.seed = config.trainer.seed
         self.timeouts_in_a_row = 0
         """Steps in a row whose judging ran out of reward.judge.timeout_s on every sample."""
-        self.calls_timed_out = self.calls_answered = 0
-        """The run's judge calls that ran out of reward.judge.timeout_s, and those that answered."""
+        self.answered = False
+        """Whether any judge call of the run answered (until then, timeouts_in_a_row counts every call)."""
         self.yes_no = None
         if settings.parse == "yes_no":
             self.yes_no = (answer_token_id(self.tokenizer, settings.yes_token, "reward.judge.yes_token"),
@@ -87,7 +87,6 @@ class JudgeScorer:
                     raise RuntimeError(problem)
         except WorkerTimeoutError:
             self.timeouts_in_a_row += 1
-            self.calls_timed_out += 1
             if self.timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:  # every score a fallback: nothing left to learn from
                 raise RuntimeError(f"the judge took more than reward.judge.timeout_s={settings.timeout_s:g}s on every "
                                    f"sample of {self.timeouts_in_a_row} steps in a row, so each scored the fallback "
@@ -98,7 +97,7 @@ class JudgeScorer:
             judgements = Judgements([settings.fallback_score] * len(batch), 0, timed_out=len(batch))
         else:
             self.timeouts_in_a_row = 0
-            self.calls_answered += 1
+            self.answered = True
         if judgements.malformed:
             logger.warning("%d of %d judgements had no score the rule parse=%s reads; they score %g "
                            "(reward/judge/malformed)", judgements.malformed, len(batch), settings.parse,
@@ -110,9 +109,9 @@ class JudgeScorer:
     def check_the_run_was_judged(self) -> None:
         """One line at the end of a run whose every judge call timed out (fewer than ``MAX_TIMEOUTS_IN_A_ROW``, which
         stop it earlier): every sample scored the fallback, so the run learned nothing from its rewards."""
-        if self.calls_timed_out and not self.calls_answered:
+        if self.timeouts_in_a_row and not self.answered:
             settings = self.settings
-            raise RuntimeError(f"the judge timed out on every sample of each of the run's {self.calls_timed_out} "
+            raise RuntimeError(f"the judge timed out on every sample of each of the run's {self.timeouts_in_a_row} "
                                f"judge calls (reward.judge.timeout_s={settings.timeout_s:g}s), so every sample scored "
                                f"the fallback {settings.fallback_score:g} and the run learned nothing from its rewards; "
                                "raise reward.judge.timeout_s or make the judge faster (a smaller judge, a shorter "
