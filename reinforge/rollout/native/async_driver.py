@@ -22,11 +22,11 @@ aborts its request: the engine drops it wherever it stands and frees its KV bloc
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 from collections.abc import Callable
 
 from reinforge.rollout.base import Completion, GenerationRequest
+from reinforge.rollout.native import collector
 
 Submit = Callable[..., object]
 """Hands a request to the engine with the callbacks for its completions and for an error, and, for a streamed
@@ -56,8 +56,8 @@ class AsyncDriver:
         self._abort = abort
         self._task: asyncio.Task | None = None
         self._stepping = threading.Lock()
-        self._gc_to_restore: bool | None = None
-        """Whether the garbage collector was on before the drivers paused it (None: none has)."""
+        self.pausing_collector = False
+        """Whether this driver holds the garbage collector's pause (``collector.pause``)."""
 
     async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token`` (a
@@ -90,9 +90,9 @@ class AsyncDriver:
         meanwhile, as in ``NativeEngine.generate``."""
         finish_metrics = self._measure()
         stop = threading.Event()
-        if self._gc_to_restore is None:  # else a driver of a stopped loop paused it and never ended
-            self._gc_to_restore = gc.isenabled()
-        gc.disable()
+        if not self.pausing_collector:  # else a driver of a stopped loop took the pause and never ended
+            collector.pause()
+            self.pausing_collector = True
         try:
             while self._has_work():
                 await asyncio.to_thread(self._run_steps, stop)
@@ -101,9 +101,9 @@ class AsyncDriver:
             raise
         finally:  # also when the event loop cancels this task on its way out: the thread stops after its step
             stop.set()
-            if self._gc_to_restore:
-                gc.enable()
-            self._gc_to_restore = None
+            if self.pausing_collector:
+                self.pausing_collector = False
+                collector.resume()
             finish_metrics()
 
     def _run_steps(self, stop: threading.Event) -> None:

@@ -37,7 +37,6 @@ memory (``empty_cache_on_sleep`` also returns it to the device), or, with
 
 from __future__ import annotations
 
-import gc
 import queue
 import threading
 import time
@@ -50,6 +49,7 @@ from torch import Tensor, nn
 
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
 from reinforge.rollout.base import Completion, GenerationRequest, prompt_problem, sampling_problem
+from reinforge.rollout.native import collector
 from reinforge.rollout.native.async_driver import AsyncDriver, OnToken
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
@@ -345,15 +345,10 @@ class NativeEngine:
         for state in states:
             self._incoming.put(state)
         start = self._start_metrics()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with collector.paused():
             while any(state.num_pending for state in states):
                 if not self._step():
                     raise RuntimeError("the scheduler ran dry with requests still pending")
-        finally:
-            if collecting:
-                gc.enable()
         self._finish_metrics(start)
         return [list(state.completions) for state in states]
 
