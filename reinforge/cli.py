@@ -193,6 +193,9 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     # train's refusals of the devices the run asks for, except whether this machine has the planned card
     check_devices(dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, device="cpu")))
     check_batch_splits(config)
+    from reinforge.rollout.registry import check_plugin_engine
+
+    check_plugin_engine(config.rollout.name)  # a rollout engine train would not find is refused here too
     from reinforge.trainer.ineffective_settings import warn_ineffective_settings
 
     warn_ineffective_settings(config)  # as train warns of them, before the plan

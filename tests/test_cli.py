@@ -122,6 +122,11 @@ def test_plan_refuses_the_devices_train_refuses(capsys):
     assert "9 samples do not split evenly over the 8 members" in capsys.readouterr().err
 
 
+def test_plan_refuses_a_rollout_engine_train_would_not_find(capsys):
+    assert main(["plan", "--model", "0.5b", "--gpu-memory-gib", "80", "rollout.name=vllm_typo"]) == 2
+    assert capsys.readouterr().err.startswith("error: rollout.name='vllm_typo' is not a rollout engine; known: hf, native")
+
+
 def test_plan_refuses_what_train_refuses_of_the_model_before_it_loads(capsys):
     """A router aux loss on a model without experts, and a critic for a vision-language model: plan said they fit."""
     plan = ["plan", "--gpu-memory-gib", "80", "--host-memory-gib", "200"]
