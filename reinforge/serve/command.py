@@ -41,15 +41,25 @@ def resolve_model_folder(path: str) -> tuple[str, str | None]:
     if (folder / "config.json").is_file():
         return str(folder), None
     checkpoint = folder
-    if (folder / "checkpoints").is_dir():  # a run folder: its newest checkpoint that holds a model
+    if (folder / "checkpoints").is_dir():  # a run folder: its newest sealed checkpoint whose hf/ model loads
         steps = sorted((step for step in (folder / "checkpoints").glob("step_*") if step.name[5:].isdigit()),
                        key=lambda step: int(step.name[5:]), reverse=True)
-        checkpoint = next((step for step in steps if (step / "manifest.json").is_file() and _has_weights(step / "hf")),
-                          None)
-        if checkpoint is None:
-            raise FileNotFoundError(f"run folder {folder} has no sealed checkpoint with an hf/ model; give a "
-                                    "checkpoint folder after `reinforge export`, or an HF folder")
-        logger.info("reading %s, the newest checkpoint of %s", checkpoint.name, folder)
+        skipped = []
+        for step in steps:
+            problem = _servable_problem(step)
+            if problem is None:
+                checkpoint = step
+                break
+            skipped.append(f"{step.name}: {problem}")
+        else:
+            listed = f" ({'; '.join(skipped)})" if skipped else ""
+            raise FileNotFoundError(f"run folder {folder} has no sealed checkpoint with a whole hf/ model{listed}; "
+                                    "give a checkpoint folder after `reinforge export`, or an HF folder")
+        if skipped:
+            logger.warning("reading %s, the newest complete checkpoint of %s; skipped %s", checkpoint.name, folder,
+                           "; ".join(skipped))
+        else:
+            logger.info("reading %s, the newest checkpoint of %s", checkpoint.name, folder)
     if (checkpoint / "hf" / "config.json").is_file():
         if not _has_weights(checkpoint / "hf"):
             raise FileNotFoundError(f"{checkpoint / 'hf'} holds no weights; run `reinforge export {checkpoint} OUT` and "
@@ -57,6 +67,20 @@ def resolve_model_folder(path: str) -> tuple[str, str | None]:
         return str(checkpoint / "hf"), None
     raise FileNotFoundError(f"{folder} is neither an HF model folder (config.json), a checkpoint (hf/), a run folder "
                             "(checkpoints/) nor a LoRA adapter (adapter_config.json); pass one of those")
+
+
+def _servable_problem(checkpoint: Path) -> str | None:
+    """Why a run's checkpoint folder cannot be served as it is (None where it can): not sealed (written whole, its
+    manifest last), or an ``hf/`` model without weights or cut off."""
+    from reinforge.models.loading import check_model_folder
+
+    if not (checkpoint / "manifest.json").is_file():
+        return "not sealed (its writing was interrupted)"
+    try:
+        check_model_folder(checkpoint / "hf", "the model")
+    except FileNotFoundError as error:
+        return str(error)
+    return None
 
 
 def _has_weights(folder: Path) -> bool:

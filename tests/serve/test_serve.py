@@ -471,17 +471,21 @@ def test_a_client_gone_while_its_stream_is_written_is_no_server_error_and_an_eng
         served.close()
 
 
-def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
+def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path, caplog):
     from reinforge.serve.command import build_client, load_model, resolve_model_folder
 
     path, adapter = resolve_model_folder(str(tiny_model_dir))
     assert (path, adapter) == (str(tiny_model_dir), None)
     run = tmp_path / "run"
-    for step in (1, 2, 3):  # step 3 is not sealed (no manifest): the run is served from step 2
+    for step in (1, 2, 3, 4):  # step 4 is not sealed (no manifest), step 3's weights are cut off: served from 2
         shutil.copytree(tiny_model_dir, run / "checkpoints" / f"step_{step}" / "hf")
-        if step < 3:
+        if step < 4:
             (run / "checkpoints" / f"step_{step}" / "manifest.json").write_text("{}")
+    [weights] = (run / "checkpoints" / "step_3" / "hf").glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-100])
     assert resolve_model_folder(str(run)) == (str(run / "checkpoints" / "step_2" / "hf"), None)
+    assert "skipped step_4: not sealed (its writing was interrupted); step_3: model folder " in caplog.text
+    assert "step_3/hf is half-written: model.safetensors holds" in caplog.text
     assert resolve_model_folder(str(run / "checkpoints" / "step_1")) == (str(run / "checkpoints" / "step_1" / "hf"),
                                                                           None)
     (tmp_path / "empty").mkdir()
