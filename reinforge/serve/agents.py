@@ -274,22 +274,35 @@ class OpenAIAgentLoop(AgentLoop):
         return await run_agent_command(list(self.agent), base_url, row)
 
 
+AFTER_EXIT_GRACE_S = 1.0
+"""How long the output of an agent command that has exited is still read: a process it left running in the
+background that holds the command's stdout open (``server &``) is then killed with the rest of its group, rather than
+waited for."""
+
+
 async def run_agent_command(command: list[str], base_url: str, row: dict[str, Any]) -> Any:
     """Run an agent command with OPENAI_BASE_URL set and the row on stdin; its last printed line, as a number if
-    it reads as one. Cancelled (its timeout), the command is killed with every process it started: it runs in a
-    process group of its own (``cmd:bash run.sh`` or ``cmd:uv run agent.py`` would leave the agent itself running)."""
+    it reads as one. The command runs in a process group of its own, killed whole when the command has exited (a
+    process it left behind, holding its output open, is not waited for) or is cancelled (its timeout: ``cmd:bash
+    run.sh`` or ``cmd:uv run agent.py`` would leave the agent itself running)."""
     environment = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "none"))
     process = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE,
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                    env=environment, start_new_session=True)
+    stdout, stderr = bytearray(), bytearray()
+    readers = [asyncio.ensure_future(_read_into(process.stdout, stdout)),
+               asyncio.ensure_future(_read_into(process.stderr, stderr))]
     try:
-        stdout, stderr = await process.communicate(json.dumps(jsonable(row)).encode())
-    except BaseException:
+        await _feed(process.stdin, json.dumps(jsonable(row)).encode())
+        await process.wait()
+        await asyncio.wait(readers, timeout=AFTER_EXIT_GRACE_S)
+    finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)  # the group outlives its leader: killed whether or not it exited
         if process.returncode is None:
             await process.wait()
-        raise
+        for reader in readers:
+            reader.cancel()
     if process.returncode != 0:
         last = (stderr.decode(errors="replace").strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"agent command {command[0]!r} exited with {process.returncode}: {last}")
@@ -300,6 +313,19 @@ async def run_agent_command(command: list[str], base_url: str, row: dict[str, An
         return float(lines[-1])
     except ValueError:
         return lines[-1].strip()
+
+
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    """Write ``data`` to a command's stdin and close it; a command that exits without reading all of it is fine."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        stdin.write(data)
+        await stdin.drain()
+    stdin.close()
+
+
+async def _read_into(stream: asyncio.StreamReader, into: bytearray) -> None:
+    while chunk := await stream.read(1 << 16):
+        into.extend(chunk)
 
 
 def register_configured_agents(config: MultiTurnConfig) -> None:

@@ -354,6 +354,26 @@ def test_an_agent_command_past_its_timeout_is_killed_with_the_processes_it_start
     asyncio.run(run())
 
 
+def test_an_agent_command_that_exits_is_not_waited_for_past_the_processes_it_left_running(tmp_path):
+    """A background process started by the command kept its stdout open, and the rollout waited for it to end."""
+    import os
+    import time
+
+    from reinforge.serve.agents import run_agent_command
+
+    pid_file = tmp_path / "pid"
+    row = {"text": "x" * 300_000}  # more than a pipe holds: the command exits without reading it
+
+    async def run() -> float:
+        return await run_agent_command(["sh", "-c", f"sleep 30 & echo $! > {pid_file}; echo 0.75"], "http://x", row)
+
+    started = time.monotonic()
+    assert asyncio.run(run()) == 0.75
+    assert time.monotonic() - started < 10
+    status = f"/proc/{int(pid_file.read_text())}/status"
+    assert not os.path.exists(status) or "\nState:\tZ" in open(status).read()  # killed with the command's group
+
+
 @pytest.mark.parametrize(("returned", "expected"), [
     (np.float32(0.5), 0.5), (np.int64(1), 1.0), (float("nan"), "returned the reward nan"),
     (float("-inf"), "returned the reward -inf")])
