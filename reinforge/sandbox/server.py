@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,6 +38,10 @@ CLIENT_IDLE_S = 60.0
 BODY_DEADLINE_S = 60.0
 """A request body must arrive whole within this long (16 MiB needs 280 kB/s): one trickled a byte at a time, each
 within ``CLIENT_IDLE_S``, held a thread for ever; past it the connection is closed."""
+REFUSED_BODY_LINGER_S = 2.0
+"""How long a body refused unread (413, 429, 503) is still read and dropped after the answer, the answer's side of
+the connection closed: a client that sends its body before reading then reads the answer, where closing at once
+would reset the connection under it; bounded, so a flood of large bodies still costs little."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -78,6 +83,27 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.connection.settimeout(self.timeout)
         return bytes(body)
+
+    def _drop_unread_body(self, length: int) -> None:
+        """After a refusal answered before the body was read: close the answer's side of the connection, then read
+        and drop up to ``length`` bytes for at most ``REFUSED_BODY_LINGER_S`` (a client that waits for "100
+        Continue" sends none and closes)."""
+        if self._expects_continue:
+            return  # the client waits for "100 Continue" before its body, and the refusal told it not to send it
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + REFUSED_BODY_LINGER_S
+            while length > 0 and (remaining := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(remaining)
+                chunk = self.rfile.read1(min(length, 1 << 20))
+                if not chunk:
+                    break
+                length -= len(chunk)
+        except OSError:  # the client has gone, or went quiet: nothing more to wait for
+            pass
+        finally:
+            self.connection.settimeout(self.timeout)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -136,11 +162,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._answer(413, {"detail": f"request of {length} bytes is over the limit of "
                                          f"{sandbox.settings.max_request_bytes}"})
+            self._drop_unread_body(length)
             return
         refusal = sandbox.admit()
         if refusal is not None:  # before the body is read: a flood of large bodies is refused unread
             self.close_connection = True  # the unread body must not be taken for the next request
             self._answer(*refusal)
+            self._drop_unread_body(length)
             return
         try:
             request = RunCodeRequest.from_json(json.loads(self._read_body(length) or b"null"))

@@ -183,6 +183,19 @@ def test_a_request_over_the_rate_limit_or_past_a_full_queue_is_refused_before_it
     assert answer.startswith(b"HTTP/1.1 503") and b"queued" in answer, answer
 
 
+def test_a_client_sending_a_large_body_before_reading_gets_the_refusal_not_a_reset(start_server):
+    """The refusal answered before the body was read, then the connection closed with the body unread: the client,
+    still sending, saw a broken pipe or a reset instead of the 429 and its Retry-After."""
+    from reinforge.sandbox.client import _post as client_post
+
+    server = start_server(isolation="none", rate_per_s=0.01, burst=1)
+    assert server.bucket.take() == 0.0  # the one token goes
+    payload = json.dumps({"code": "#" * 4_000_000, "language": "python"}).encode()
+    for _ in range(3):
+        status, retry_after, body = client_post(f"{server.url}/run_code", payload, 10)
+        assert status == 429 and int(retry_after) >= 1 and b"rate limit" in body
+
+
 def test_expect_100_continue_is_answered_by_the_refusal_or_once_the_request_is_admitted(start_server):
     """"100 Continue" went out before the rate limit was looked at, so the client sent its body to be refused."""
     server = start_server(isolation="none", rate_per_s=0.01, burst=1)
