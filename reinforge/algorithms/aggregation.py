@@ -46,7 +46,7 @@ class LossNormalizer:
     """Valid tokens (sum of the response mask)."""
     num_sequences: float | None = None
     """Rows with at least one valid token."""
-    max_response_length: int | None = None
+    max_response_length: float | None = None
     """The constant length of seq-mean-token-sum-norm; defaults to the mask's last dim."""
 
     @classmethod

@@ -187,6 +187,9 @@ class ActorConfig(UpdateConfig):
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     loss_agg_mode: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    loss_scale_factor: Optional[float] = None
+    """The constant that seq-mean-token-sum-norm divides each sequence's token sum by; None is
+    data.max_response_length."""
     ppo_epochs: int = 1
     """Passes over the batch per training step; past the first the update is off-policy, so the old
     log-probs are computed before it."""
@@ -367,6 +370,9 @@ class CriticConfig(UpdateConfig):
     within this of the value before the update."""
     loss_agg_mode: str = "token-mean"
     """How the value loss is reduced (the modes of actor.loss_agg_mode)."""
+    loss_scale_factor: Optional[float] = None
+    """seq-mean-token-sum-norm's constant for the value loss; None is actor.loss_scale_factor (then
+    data.max_response_length)."""
     ppo_epochs: Optional[int] = None
     """Defaults to actor.ppo_epochs."""
     max_tokens_per_micro_batch: Optional[int] = None

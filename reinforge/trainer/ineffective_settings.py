@@ -95,7 +95,7 @@ REWARD_MODEL_KEYS = ("model_path", "input_tokenizer", "max_length", "max_tokens_
 
 CRITIC_KEYS = ("critic.model_path", "critic.optim.lr", "critic.optim.weight_decay", "critic.optim.betas",
                "critic.optim.eps", "critic.optim.warmup_steps", "critic.optim.warmup_ratio", "critic.optim.schedule",
-               "critic.optim.min_lr_ratio", "critic.cliprange_value", "critic.loss_agg_mode", "critic.ppo_epochs",
+               "critic.optim.min_lr_ratio", "critic.cliprange_value", "critic.loss_agg_mode", "critic.loss_scale_factor", "critic.ppo_epochs",
                "critic.max_tokens_per_micro_batch", "critic.grad_clip", "critic.warmup_steps", "critic.param_offload",
                "critic.optimizer_offload")
 
@@ -123,6 +123,15 @@ IGNORED_WHEN: list[IgnoredWhen] = [
     IgnoredWhen(("ref.max_tokens_per_micro_batch", "ref.param_offload"),
                 lambda config: reference_needed(config) and config.model.lora.rank > 0,
                 "with LoRA the reference is the actor itself with its adapters off", "use the actor's settings"),
+    IgnoredWhen(("actor.loss_scale_factor",), lambda config: config.actor.loss_agg_mode != "seq-mean-token-sum-norm"
+                and not (critic_enabled(config) and config.critic.loss_scale_factor is None
+                         and config.critic.loss_agg_mode == "seq-mean-token-sum-norm"),
+                "only seq-mean-token-sum-norm divides by it and actor.loss_agg_mode is another mode",
+                "set actor.loss_agg_mode=seq-mean-token-sum-norm"),
+    IgnoredWhen(("critic.loss_scale_factor",), lambda config: critic_enabled(config)
+                and config.critic.loss_agg_mode != "seq-mean-token-sum-norm",
+                "only seq-mean-token-sum-norm divides by it and critic.loss_agg_mode is another mode",
+                "set critic.loss_agg_mode=seq-mean-token-sum-norm"),
     IgnoredWhen(("algorithm.lam",), lambda config: config.algorithm.adv_estimator != "gae",
                 "only GAE reads lambda", "set algorithm.adv_estimator=gae"),
     _estimator_params(("algorithm.gamma",), ("gae", "reinforce_plus_plus"), "discount returns"),

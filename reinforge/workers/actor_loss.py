@@ -9,6 +9,8 @@ mini-batch's loss whatever the split.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import Tensor
 
 from reinforge.algorithms import (
@@ -54,6 +56,8 @@ def actor_loss(config: Config, micro: Batch, counts: MiniBatchCounts, log_probs:
     """
     actor, correction = config.actor, config.algorithm.rollout_correction
     normalizer = LossNormalizer(**vars(counts))
+    if actor.loss_scale_factor is not None:  # seq-mean-token-sum-norm's constant, in place of the response length
+        normalizer = replace(normalizer, max_response_length=actor.loss_scale_factor)
     mask = micro["response_mask"]
     old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
     weights = micro.get("rollout_is_weights")

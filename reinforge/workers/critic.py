@@ -7,6 +7,7 @@ are the two root units, since the packed forward calls them one after the other.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -74,11 +75,16 @@ class CriticWorker(Worker):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         critic = self.config.critic
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device)
+        scale_factor = critic.loss_scale_factor if critic.loss_scale_factor is not None \
+            else self.config.actor.loss_scale_factor
         for micro, counts in update.micro_batches(batch):
             values = response_values(self.model, micro)
             mask = micro["response_mask"]
+            normalizer = LossNormalizer(**vars(counts))
+            if scale_factor is not None:  # seq-mean-token-sum-norm's constant, in place of the response length
+                normalizer = replace(normalizer, max_response_length=scale_factor)
             loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], mask, critic.cliprange_value,
-                                                critic.loss_agg_mode, LossNormalizer(**vars(counts)))
+                                                critic.loss_agg_mode, normalizer)
             vpred_mean = (values.detach() * mask).sum() / mask.sum().clamp(min=1)
             update.backward(loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean})
         return update.metrics("critic")

@@ -34,6 +34,8 @@ WARNED = [
     ("ref.max_tokens_per_micro_batch=4096", ["actor.use_kl_loss=true", "model.lora.rank=8"],
      "with LoRA the reference is the actor itself"),
     ("algorithm.lam=0.95", [], "only GAE reads lambda"),
+    ("actor.loss_scale_factor=512", [], "only seq-mean-token-sum-norm divides by it"),
+    ("critic.loss_scale_factor=512", ["algorithm.adv_estimator=gae"], "only seq-mean-token-sum-norm divides by it"),
     ("algorithm.gamma=0.99", [], "only the gae, reinforce_plus_plus estimators discount returns"),
     ("algorithm.norm_adv_by_std=false", ["algorithm.adv_estimator=rloo"], "estimators divide by a group's std"),
     ("algorithm.grpo_epsilon=1e-4", ["algorithm.norm_adv_by_std=false"], "algorithm.norm_adv_by_std is false"),

@@ -117,3 +117,23 @@ def test_forward_only_rows_on_cuda_with_compiled_layers(tiny_model_dir):
         assert skipped_metrics[-1][key] == pytest.approx(full_metrics[-1][key], rel=2e-2, abs=1e-4), key
     for name, tensor in full_state.items():
         torch.testing.assert_close(skipped_state[name], tensor, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_loss_scale_factor_is_the_constant_seq_mean_token_sum_norm_divides_by():
+    """verl's actor.loss_scale_factor: Dr. GRPO's divisor in place of the response length."""
+    from reinforge.engine.train_step import MiniBatchCounts
+    from reinforge.workers.actor_loss import actor_loss
+
+    batch = grpo_like_batch(zero_rows=[])
+    counts = MiniBatchCounts(num_tokens=float(batch["response_mask"].sum()), num_sequences=float(ROWS),
+                             max_response_length=RESPONSE)
+    log_probs = -torch.rand(ROWS, RESPONSE, generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for factor in (None, 512):
+        config = Config()
+        config.actor.loss_agg_mode = "seq-mean-token-sum-norm"
+        config.actor.loss_scale_factor = factor
+        losses[factor], _ = actor_loss(config, batch, counts, log_probs, torch.zeros_like(log_probs), on_policy=True)
+    expected = -(batch["advantages"] * batch["response_mask"]).sum() / ROWS
+    torch.testing.assert_close(losses[None], expected / RESPONSE)
+    torch.testing.assert_close(losses[512], expected / 512)

@@ -810,8 +810,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
     f"{_ACTOR}.strategy": FSDP2,
     f"{_ACTOR}.ulysses_sequence_parallel_size": PARALLELISM,
-    f"{_ACTOR}.loss_scale_factor": NoEquivalent("seq-mean-token-sum-norm divides by the longest response "
-                                                "(data.max_response_length)"),
+    f"{_ACTOR}.loss_scale_factor": Rename("actor.loss_scale_factor"),
     f"{_ACTOR}.calculate_entropy": NoEquivalent("the entropy is always computed and logged (actor/entropy)"),
     f"{_ACTOR}.entropy_from_logits_with_chunking": NoEquivalent("entropy is computed with the fused log-prob pass"),
     f"{_ACTOR}.entropy_checkpointing": NoEquivalent("entropy is computed with the fused log-prob pass"),
@@ -1124,7 +1123,7 @@ VERL_KEYS: dict[str, Translation] = {
     "data.function_tool_path": NoEquivalent("tools are declared in rollout.multi_turn.tool_config_path"),
     "data.audio_key": MULTIMODAL,
     "data.mm_processor_kwargs": MULTIMODAL,
-    "critic.loss_scale_factor": NoEquivalent("the critic's loss follows critic.loss_agg_mode"),
+    "critic.loss_scale_factor": Rename("critic.loss_scale_factor"),
     **_each("critic.model", "hf_config_path custom_chat_template exclude_modules lora_adapter_path use_liger "
             "use_fused_kernels fused_kernel_options.impl_backend mtp.*",
             NoEquivalent("the critic shares the model.* settings of the actor")),

@@ -179,6 +179,15 @@ def test_values_without_equivalent_are_reported_not_translated():
     assert [line.verl_key for line in translation.already_ours] == ["actor_rollout_ref.actor.strategy"]
 
 
+def test_dr_grpos_loss_scale_factor_translates_and_a_non_positive_one_is_refused():
+    translation = translate_verl(["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+                                  "actor_rollout_ref.actor.loss_scale_factor=4096", "critic.loss_scale_factor=2048"])
+    assert translation.tree["actor"]["loss_scale_factor"] == 4096
+    assert translation.tree["critic"]["loss_scale_factor"] == 2048
+    with pytest.raises(ConfigError, match=r"^actor.loss_scale_factor=0.0 must be a positive number"):
+        load_config(None, ["actor.loss_scale_factor=0"])
+
+
 def test_unknown_and_conflicting_verl_keys_fail_in_one_line():
     with pytest.raises(ConfigError, match=r"^data.train_filez \(verl command line\) is not a verl key reinforge "
                                           r"knows; did you mean data.train_files\?$"):
