@@ -6,17 +6,14 @@ Modes (mask M, per-token loss L, n_i valid tokens of row i):
 - ``token-sum``: sum(L*M)
 - ``seq-mean-token-sum``: sum_i sum_t L*M / num_sequences
 - ``seq-mean-token-mean``: sum_i (sum_t L*M / n_i) / num_sequences (the GRPO paper)
-- ``seq-mean-token-sum-norm``: sum_i sum_t L*M / max_response_length / num_sequences (Dr. GRPO)
+- ``seq-mean-token-sum-norm``: sum_i sum_t L*M / max_response_length / num_sequences (Dr. GRPO; a
+  constant of the run's choosing in place of max_response_length: ``actor.loss_scale_factor``)
 
 num_sequences counts rows with at least one valid token. A ``LossNormalizer`` supplies the
 counts of the whole mini-batch (all micro-batches, all data-parallel ranks); then the sum of
 the micro-batch losses equals the mini-batch loss in every mode, so micro-batching and
 sharding never change the gradient. The trainer must therefore SUM gradients over
 micro-batches and ranks (multiply by the world size before an all-reduce that averages).
-
-Departure from verl: ``seq-mean-token-sum-norm`` also divides by the number of sequences,
-as in the Dr. GRPO objective (1/G sum_i 1/L_max sum_t); verl's version omits it, which makes
-the loss scale with the batch size.
 """
 
 from __future__ import annotations
