@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 def check_resumed_counts(state: dict[str, Any], count_key: str, count: int, counted: str, batch_size: int) -> None:
@@ -28,3 +36,28 @@ def check_loader_resumes(loader: Any, trainer_state: dict[str, Any] | None) -> N
     position = loader.state_dict()
     loader.load_state_dict(trainer_state["loader"])
     loader.load_state_dict(position)
+
+
+def data_digest(token_lists: Iterable[Sequence[int]], others: Iterable[Any] = ()) -> str:
+    """A hash of the data's token ids (and of ``others``, e.g. the rows' ground truths, as JSON): equal for the same
+    rows in the same order."""
+    digest = hashlib.sha256()
+    for ids in token_lists:
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    for other in others:
+        digest.update(json.dumps(other, sort_keys=True, default=str).encode())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+def warn_if_contents_changed(state: dict[str, Any], digest: str, counted: str) -> bool:
+    """Warn when ``state`` (a loader's ``state_dict`` from a checkpoint) hashed other data contents than ``digest``,
+    though as many items (``counted``, e.g. "200 prompts"); whether it did. A state without the hash (an older
+    checkpoint) passes."""
+    if state.get("data_digest", digest) == digest:
+        return False
+    logger.warning("the data files changed since the checkpoint was written (the same %s, other contents): the "
+                   "resumed epoch goes on over the changed rows at the same positions; restore the files to continue "
+                   "exactly as the checkpoint's run would have, or start a new run (trainer.resume=never)", counted)
+    return True

@@ -28,7 +28,6 @@ the row and the column before any model loads.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ import torch
 
 from reinforge.data.chat_template import apply_chat_template, chat_template_text, row_tools, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
-from reinforge.data.loader_state import check_resumed_counts
+from reinforge.data.loader_state import check_resumed_counts, data_digest, warn_if_contents_changed
 from reinforge.data.multimodal import image_column, row_image_sources
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
@@ -294,12 +293,12 @@ class PreferenceDataset:
 
     def fingerprint(self) -> str:
         """A hash of every pair's token ids: the reference log-probs stored for a run belong to these pairs."""
-        digest = hashlib.sha256()
-        for pair in self.pairs:
-            for ids in (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids):
-                digest.update(np.asarray(ids, dtype=np.int64).tobytes())
-                digest.update(b"|")
-        return digest.hexdigest()
+        return pairs_digest(self.pairs)
+
+
+def pairs_digest(pairs: Sequence[PreferencePair]) -> str:
+    """``data_digest`` of the pairs' prompt, chosen and rejected token ids."""
+    return data_digest(ids for pair in pairs for ids in (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids))
 
 
 def collate_pairs(pairs: Sequence[PreferencePair], pair_indices: Sequence[int], pad_token_id: int) -> Batch:
@@ -357,9 +356,16 @@ class PairLoader:
         self.position = 0
         self._peeked: tuple[tuple[int, int], Batch] | None = None
         """(epoch, position) and the batch ``peek_batch`` built for them."""
+        self._data_digest: str | None = None
+        self._warned_of_changes = False
 
     def __len__(self) -> int:
         return -(-len(self.pairs) // self.batch_size)
+
+    def _digest(self) -> str:
+        if self._data_digest is None:
+            self._data_digest = pairs_digest(self.pairs)
+        return self._data_digest
 
     def _batch(self, indices: Sequence[int]) -> Batch:
         return collate_pairs([self.pairs[index] for index in indices], indices, self.pad_token_id)
@@ -391,12 +397,14 @@ class PairLoader:
         return [self._batch(list(range(start, min(start + self.batch_size, len(self.pairs)))))
                 for start in range(0, len(self.pairs), self.batch_size)]
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where the next batch comes from, and the pair and batch counts a resume must find again."""
         return {"epoch": self.epoch, "position": self.position, "num_pairs": len(self.pairs),
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "data_digest": self._digest()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         check_resumed_counts(state, "num_pairs", len(self.pairs), "data had {} pairs", self.batch_size)
+        if not self._warned_of_changes:
+            self._warned_of_changes = warn_if_contents_changed(state, self._digest(), f"{len(self.pairs)} pairs")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._peeked = None

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from reinforge.config.schema import DataConfig
+from reinforge.data.loader_state import data_digest, warn_if_contents_changed
 from reinforge.data.rl_dataset import PromptExample, RLDataset
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
@@ -104,6 +105,8 @@ class PromptLoader:
         self.epoch = 0
         self.position = 0
         """Batches of the current epoch already handed out."""
+        self._data_digest: str | None = None
+        self._warned_of_changes = False
 
     @classmethod
     def for_training(cls, dataset: RLDataset, config: DataConfig, pad_token_id: int) -> PromptLoader:
@@ -156,10 +159,18 @@ class PromptLoader:
             if any(example.images for example in examples) else None
         return collate_prompts(examples, self.pad_token_id, uids, images)
 
+    def _digest(self) -> str:
+        """``data_digest`` of the prompts' token ids and ground truths, made once."""
+        if self._data_digest is None:
+            examples = [self.dataset[position] for position in range(len(self.dataset))]
+            self._data_digest = data_digest((example.prompt_ids for example in examples),
+                                            (example.ground_truth for example in examples))
+        return self._data_digest
+
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch comes from, plus what must match for a resume to be exact."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
-                "batch_size": self.batch_size, "num_prompts": len(self.dataset)}
+                "batch_size": self.batch_size, "num_prompts": len(self.dataset), "data_digest": self._digest()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, current in (("seed", self.seed), ("shuffle", self.shuffle), ("batch_size", self.batch_size),
@@ -171,5 +182,7 @@ class PromptLoader:
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"the checkpoint's data loader position {state['position']} is outside the "
                              f"{len(self)} batches of an epoch")
+        if not self._warned_of_changes:
+            self._warned_of_changes = warn_if_contents_changed(state, self._digest(), f"{len(self.dataset)} prompts")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

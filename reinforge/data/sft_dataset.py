@@ -75,7 +75,7 @@ from reinforge.data.chat_template import (
     template_error_message,
 )
 from reinforge.data.files import as_list, expand_data_files, read_rows
-from reinforge.data.loader_state import check_resumed_counts
+from reinforge.data.loader_state import check_resumed_counts, data_digest, warn_if_contents_changed
 from reinforge.data.multimodal import (
     check_image_count,
     check_image_places,
@@ -648,9 +648,17 @@ class SFTLoader:
         self.seed = seed
         self.epoch = 0
         self.position = 0
+        self._data_digest: str | None = None
+        self._warned_of_changes = False
 
     def __len__(self) -> int:
         return -(-len(self.rows) // self.batch_size)
+
+    def _digest(self) -> str:
+        """A hash of the rows' tokens and loss masks (``data_digest``), made once."""
+        if self._data_digest is None:
+            self._data_digest = data_digest(ids for row in self.rows for ids in (row.input_ids, row.loss_mask))
+        return self._data_digest
 
     def _order(self, epoch: int) -> np.ndarray:
         return epoch_order(len(self.rows), self.seed, epoch, self.shuffle)
@@ -674,12 +682,14 @@ class SFTLoader:
             images = [self.images.get(index, self.rows[index]) for index in indices]
         return collate_sft(rows, self.pad_token_id, self.packed, self.processor, images)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where the next batch comes from, and the row and batch counts a resume must find again."""
         return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows),
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "data_digest": self._digest()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         check_resumed_counts(state, "num_rows", len(self.rows),
                              "SFT data had {} rows (conversations, or packed rows)", self.batch_size)
+        if not self._warned_of_changes:
+            self._warned_of_changes = warn_if_contents_changed(state, self._digest(), f"{len(self.rows)} rows")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -211,3 +211,17 @@ def test_a_peeked_batch_is_the_next_one_and_the_loader_does_not_advance():
     # pairs the data files no longer give (changed in place since the checkpoint) are refused, not resumed into
     with pytest.raises(ValueError, match=r"^the checkpoint's data had 5 pairs but this run's has 4: the data files "):
         PairLoader(pairs[:4], 2, 0, seed=3).load_state_dict(loader.state_dict())
+
+
+def test_a_resume_over_as_many_changed_pairs_warns_that_the_data_changed(caplog):
+    from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferencePair, pairs_digest
+
+    pairs = [PreferencePair([1, 2], [3 + index], [4]) for index in range(5)]
+    state = PairLoader(pairs, 2, 0, seed=3).state_dict()
+    PairLoader(pairs, 2, 0, seed=3).load_state_dict(state)
+    assert "data files changed" not in caplog.text
+    PairLoader([*pairs[:4], PreferencePair([1, 2], [4], [3])], 2, 0, seed=3).load_state_dict(state)
+    assert "the data files changed since the checkpoint was written (the same 5 pairs" in caplog.text
+    dataset = PreferenceDataset.__new__(PreferenceDataset)
+    dataset.pairs = pairs  # the reference log-probs' fingerprint is the loader's hash of the same pairs
+    assert dataset.fingerprint() == pairs_digest(pairs) == state["data_digest"]

@@ -121,6 +121,28 @@ def test_resume_refuses_a_different_dataset_or_batch_size():
         PromptLoader(ListDataset(10), 3, pad_token_id=0).load_state_dict(state)
 
 
+def test_resume_over_the_same_number_of_changed_prompts_warns_once_and_goes_on(caplog):
+    original = PromptLoader(ListDataset(10), 2, pad_token_id=0)
+    next(iter(original))
+    state = original.state_dict()
+    resumed = PromptLoader(ListDataset(10), 2, pad_token_id=0)
+    resumed.load_state_dict(state)
+    assert "data files changed" not in caplog.text  # the same rows: nothing to say
+    changed = ListDataset(10)
+    changed.examples[4] = PromptExample(index=104, prompt_ids=[8], raw_prompt="other", data_source="arithmetic",
+                                        ground_truth="4", extra_info={})
+    answer_changed = ListDataset(10)
+    answer_changed.examples[4] = PromptExample(index=104, prompt_ids=[7, 7], raw_prompt="p4",
+                                               data_source="arithmetic", ground_truth="5", extra_info={})
+    for dataset in (changed, answer_changed):
+        caplog.clear()
+        loader = PromptLoader(dataset, 2, pad_token_id=0)
+        loader.load_state_dict(state)
+        loader.load_state_dict(state)  # checked before the model loads, then loaded: said once
+        assert caplog.text.count("the data files changed since the checkpoint was written (the same 10 prompts") == 1
+        assert (loader.epoch, loader.position) == (0, 1)
+
+
 def test_validation_goes_over_every_prompt_once_in_order():
     dataset = ListDataset(5, name="val")
     loader = PromptLoader.for_validation(dataset, DataConfig(val_batch_size=2), pad_token_id=0)

@@ -181,6 +181,18 @@ def test_resume_refuses_data_files_whose_rows_changed_since_the_checkpoint_befor
     assert loaded == []
 
 
+def test_resume_over_as_many_changed_rows_warns_that_the_data_changed(tmp_path, tiny_model_dir, caplog):
+    SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
+    config = sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2")
+    train = tmp_path / "train.jsonl"
+    rows = train.read_text().splitlines()
+    changed = json.loads(rows[0])
+    changed["messages"][-1]["content"] += " and more"
+    train.write_text("\n".join([json.dumps(changed), *rows[1:]]) + "\n")  # the same path and count, a row changed
+    SFTTrainer(config).fit()
+    assert caplog.text.count("the data files changed since the checkpoint was written (the same 8 rows") == 1
+
+
 def test_max_samples_reached_in_the_first_file_leaves_the_later_ones_unread(tmp_path, tokenizer):
     first, later = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")
