@@ -186,7 +186,7 @@ def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str]
     """Mean over members of each numeric value (largest for ``max``/``peak``/``slowest`` names, smallest for ``min``,
     the sum for the names in ``summed``, the mean weighted by ``weights[name]``, one weight per member, for those
     names; where the weights of the members that have it add up to 0, the plain mean). The figures under one
-    ``.../slowest/`` prefix all come from one member, the one whose first of them is the largest.
+    ``.../slowest/`` prefix all come from one member, the one whose record took longest (``_slowest_records``).
 
     Members lacking a key are left out; non-numeric values come from the first member that has them.
     """
@@ -213,8 +213,10 @@ def average_metrics(per_member: list[Mapping[str, Any]], summed: Collection[str]
 
 
 def _slowest_records(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The figures under a ``.../slowest/`` prefix describe one record (the slowest trajectory: its time, its
-    lengths): all are taken from the member whose first such figure is the largest, not each from its own maximum."""
+    """The figures under a ``.../slowest/`` prefix describe one record (the slowest trajectory: its times, its
+    lengths): all are taken from the member whose record took longest, the sum of its times (its figures other than
+    ``*_length``: generation and tool calls, as ``agent_metrics`` picks each member's slowest), not each from its own
+    maximum."""
     groups: dict[str, list[str]] = {}
     for key in dict.fromkeys(key for metrics in per_member for key in metrics):
         prefix, found, _ = key.partition("/slowest/")
@@ -222,9 +224,12 @@ def _slowest_records(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
             groups.setdefault(prefix + found, []).append(key)
     records: dict[str, Any] = {}
     for keys in groups.values():
-        holders = [metrics for metrics in per_member if keys[0] in metrics and _as_number(metrics[keys[0]]) is not None]
+        times = [key for key in keys if not key.endswith("_length")] or keys[:1]
+        holders = [metrics for metrics in per_member
+                   if any(key in metrics for key in times)
+                   and all(_as_number(metrics[key]) is not None for key in times if key in metrics)]
         if len(holders) > 1:
-            slowest = max(holders, key=lambda metrics: _as_number(metrics[keys[0]]))
+            slowest = max(holders, key=lambda metrics: sum(_as_number(metrics[key]) for key in times if key in metrics))
             for key in (key for key in keys if key in slowest):
                 number = _as_number(slowest[key])
                 records[key] = slowest[key] if number is None else number

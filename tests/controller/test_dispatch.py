@@ -114,3 +114,11 @@ def test_the_slowest_trajectorys_figures_come_from_one_member():
                {"other": 1.0}]
     assert average_metrics(members) == {"timing_s/agent_loop/slowest/generate_sequences": 10.0,
                                         "timing_s/agent_loop/slowest/prompt_length": 50.0, "other": 1.0}
+
+
+def test_the_slowest_member_is_the_one_whose_trajectory_took_longest_in_all():
+    """A trajectory's time is its generation and its tool calls, as agent_metrics picks each member's slowest."""
+    prefix = "timing_s/agent_loop/slowest/"
+    members = [{f"{prefix}generate_sequences": 5.0, f"{prefix}tool_calls": 100.0, f"{prefix}prompt_length": 50.0},
+               {f"{prefix}generate_sequences": 6.0, f"{prefix}tool_calls": 0.0, f"{prefix}prompt_length": 200.0}]
+    assert average_metrics(members) == members[0]
