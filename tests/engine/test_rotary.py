@@ -60,7 +60,9 @@ def test_bfloat16_inputs_round_once_from_float32():
 
 
 def test_gradients():
-    q, k, cos, sin = random_inputs(5, 8, torch.float64)
+    # gradcheck perturbs every element of q and k, forward by forward: 3 tokens of head dim 4 (halves of 2) keep it
+    # to a few hundred forwards
+    q, k, cos, sin = random_inputs(3, 4, torch.float64)
     q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda q, k: apply_rotary(q, k, cos, sin), (q, k))
     assert torch.autograd.gradgradcheck(lambda q, k: apply_rotary(q, k, cos, sin), (q, k))
