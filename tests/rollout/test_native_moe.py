@@ -484,14 +484,17 @@ def test_native_greedy_tokens_and_log_probs_match_transformers(family, options):
     if "mlp_only_layers" in options or "decoder_sparse_step" in options:
         assert not all(layer.moe for layer in spec.layers) and any(layer.moe for layer in spec.layers)
     assert supports_model(model)
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8,
+    # every prompt's decode steps cross into a new block: 8 tokens over blocks of 8, or in Triton's interpreter 4
+    # tokens over blocks of 4 (half its decode steps)
+    block_size = 4 if use_triton else 8
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=block_size, max_num_seqs=8,
                           use_triton=use_triton)
     assert engine.runner.decoder.use_triton == use_triton
     prompts = random_prompts([3, 17, 9])
-    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, temperature=0.0, n=2))
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=block_size, temperature=0.0, n=2))
                                    for p in prompts])
     for prompt, samples in zip(prompts, completions, strict=True):
-        reference = hf_greedy(model, prompt, 8)
+        reference = hf_greedy(model, prompt, block_size)
         assert [sample.token_ids for sample in samples] == [reference, reference]
         torch.testing.assert_close(torch.tensor(samples[0].log_probs), forward_log_probs(model, prompt, reference),
                                    atol=1e-5, rtol=0)
