@@ -294,13 +294,16 @@ async def run_agent_command(command: list[str], base_url: str, row: dict[str, An
                asyncio.ensure_future(_read_into(process.stderr, stderr))]
     try:
         await _feed(process.stdin, json.dumps(jsonable(row)).encode())
-        await process.wait()
+        await _exited(process)
         await asyncio.wait(readers, timeout=AFTER_EXIT_GRACE_S)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)  # the group outlives its leader: killed whether or not it exited
+        # the killed processes' ends of the pipes close: read them to their end (bounded: a process that left the
+        # group may hold them)
+        await asyncio.wait(readers, timeout=AFTER_EXIT_GRACE_S)
         if process.returncode is None:
-            await process.wait()
+            await _exited(process)
         for reader in readers:
             reader.cancel()
     if process.returncode != 0:
@@ -313,6 +316,21 @@ async def run_agent_command(command: list[str], base_url: str, row: dict[str, An
         return float(lines[-1])
     except ValueError:
         return lines[-1].strip()
+
+
+EXIT_POLL_S = 0.25
+"""How often ``_exited`` looks whether a command has exited while its output stays open."""
+
+
+async def _exited(process: asyncio.subprocess.Process) -> None:
+    """Until the command itself has exited. ``process.wait()`` alone also waits for its stdout and stderr to close,
+    which a process it left running in the background holds open."""
+    waiting = asyncio.ensure_future(process.wait())
+    try:
+        while process.returncode is None and not waiting.done():
+            await asyncio.wait([waiting], timeout=EXIT_POLL_S)
+    finally:
+        waiting.cancel()
 
 
 async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
