@@ -280,15 +280,19 @@ def _with_end_of_turn(loss_mask: list[int], input_ids: list[int], text: str, off
 def _with_empty_replies_ended(loss_mask: list[int], tokenizer: Any, messages: list[dict[str, Any]], template: str,
                               tools: list[dict[str, Any]] | None, text: str, offsets: list[tuple[int, int]],
                               input_ids: list[int], turn_end_ids: set[int]) -> list[int]:
-    """``loss_mask`` with the end-of-turn token of each assistant message of which no token is trained (an empty
-    reply, whose ``{% generation %}`` block marks nothing) trained, where only whitespace lies between the message's
-    span (``assistant_char_spans``) and it: an empty reply is the model stopping at once."""
-    if not any(message["role"] in TRAINED_ROLES and not str(message.get("content") or "").strip()
-               for message in messages):
+    """``loss_mask`` with the end-of-turn token of each empty assistant message of which no token is trained (its
+    ``{% generation %}`` block marks nothing) trained, where only whitespace lies between the message's span
+    (``assistant_char_spans``) and it: an empty reply is the model stopping at once. A reply with content that the
+    template leaves unmarked stays untrained, as the template says."""
+    replies = [message for message in messages if message["role"] in TRAINED_ROLES]
+    empty = [not str(message.get("content") or "").strip() for message in replies]
+    if not any(empty):
         return loss_mask
     loss_mask = list(loss_mask)
-    for start, end in assistant_char_spans(tokenizer, messages, template, text, tools):
-        if any(loss_mask[position] for position, (first, last) in enumerate(offsets) if first < end and last > start):
+    spans = assistant_char_spans(tokenizer, messages, template, text, tools)
+    for is_empty, (start, end) in zip(empty, spans, strict=True):
+        if not is_empty or any(loss_mask[position] for position, (first, last) in enumerate(offsets)
+                               if first < end and last > start):
             continue
         following = [position for position, (first, _) in enumerate(offsets) if first >= end]
         for position in following:

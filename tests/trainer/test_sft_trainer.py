@@ -68,6 +68,15 @@ def test_an_empty_reply_trains_its_end_of_turn(tokenizer, template):
     assert trained_text(tokenizer, example) == ["<|im_end|>", "4<|im_end|>"]
 
 
+def test_an_empty_reply_ends_its_turn_but_a_reply_the_template_leaves_unmarked_stays_untrained(tokenizer):
+    """A template whose {% generation %} block marks the last reply alone: an empty last reply trains its end of turn,
+    the earlier reply the template chose not to mark trains nothing (as TRL trains it)."""
+    last_only = MARKED_BEFORE_END.replace("m['role'] == 'assistant' %}", "m['role'] == 'assistant' and loop.last %}")
+    conversation = [*CONVERSATION[:5], {"role": "assistant", "content": ""}]
+    example = tokenize_conversation(tokenizer, conversation, last_only)
+    assert trained_text(tokenizer, example) == ["<|im_end|>"] and example.loss_mask[-1] == 1
+
+
 def test_single_turn_masks_header_and_trailing_newline(tokenizer):
     example = tokenize_conversation(tokenizer, CONVERSATION[1:3])
     prompt = tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
