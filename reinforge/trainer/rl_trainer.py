@@ -109,7 +109,7 @@ class RLTrainer(TrainingRun):
         """The worker group of each role, the judge's or remote scorer, the tracker and the off-policy mode."""
         config = self.config
         roles = roles_with_groups(config)
-        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs", roles)
+        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs")
         self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
         self.reference = None
         if reference_needed(config):  # a LoRA actor is its own reference: the base with the adapters off
@@ -532,11 +532,10 @@ def resume_refuses(config: Config) -> tuple[str, ...]:
     return RESUME_REFUSES
 
 
-def _group_builder(config: Config, placement: RolePlacement, log_dir: Path,
-                   roles: list[str]) -> Callable[..., WorkerGroup]:
+def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> Callable[..., WorkerGroup]:
     """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend.
 
-    On Ray, preflight has checked the pools of ``roles`` against the cluster (``check_ray_cluster``): a run the
+    On Ray, preflight has checked the pools of the run's roles against the cluster (``check_ray_cluster``): a run the
     cluster cannot hold stopped before any model loads."""
     trainer = config.trainer
     group_class: type[WorkerGroup] = WorkerGroup
