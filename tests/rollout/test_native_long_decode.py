@@ -170,7 +170,7 @@ def test_engine_decodes_through_split_attention_as_generate_does(monkeypatch):
 
     monkeypatch.setattr(triton_kernels, "paged_decode_attention", recording)
     generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 128, (72,), generator=generator).tolist()
+    prompt = torch.randint(0, 128, (48,), generator=generator).tolist()  # 3 chunks of 16 or more, past the window
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=4, use_triton=True)
     outputs = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.0)),
                                GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.8, seed=2))])
