@@ -264,11 +264,11 @@ def validate_config(config: Config) -> None:
     validate_optim("critic.optim", config.critic.optim)
     validate_update("actor", actor)
     validate_update("critic", config.critic)
-    for key, factor in (("actor.loss_scale_factor", actor.loss_scale_factor),
-                        ("critic.loss_scale_factor", config.critic.loss_scale_factor)):
+    for key, factor, null in (("actor.loss_scale_factor", actor.loss_scale_factor, "data.max_response_length"),
+                              ("critic.loss_scale_factor", config.critic.loss_scale_factor, "actor.loss_scale_factor")):
         if factor is not None and not (math.isfinite(factor) and factor > 0):
             raise ConfigError(f"{key}={factor} must be a positive number: the constant seq-mean-token-sum-norm "
-                              "divides each sequence's loss by (null: data.max_response_length)")
+                              f"divides each sequence's loss by (null: {null})")
     if config.reward.num_workers < 0:
         raise ConfigError(f"reward.num_workers={config.reward.num_workers} must be 0 (score in this process) or more")
     _check_timeout("reward.timeout_s", config.reward.timeout_s, "seconds a scorer may take on one sample")

@@ -186,6 +186,8 @@ def test_dr_grpos_loss_scale_factor_translates_and_a_non_positive_one_is_refused
     assert translation.tree["critic"]["loss_scale_factor"] == 2048
     with pytest.raises(ConfigError, match=r"^actor.loss_scale_factor=0.0 must be a positive number"):
         load_config(None, ["actor.loss_scale_factor=0"])
+    with pytest.raises(ConfigError, match=r"^critic.loss_scale_factor=-1.0 .*\(null: actor.loss_scale_factor\)"):
+        load_config(None, ["critic.loss_scale_factor=-1"])
 
 
 def test_unknown_and_conflicting_verl_keys_fail_in_one_line():
