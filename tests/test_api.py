@@ -949,6 +949,22 @@ def test_callbacks_added_after_the_trainer_is_made_are_called_and_push_to_hub_sa
         trainer.push_to_hub()
 
 
+def test_pop_callback_by_a_class_takes_an_instance_of_a_subclass_as_transformers_does():
+    from transformers import PrinterCallback, TrainerState
+
+    from reinforge import SFTTrainer
+    from reinforge.api.callbacks import CallbackHandler
+
+    class QuietPrinter(PrinterCallback):
+        pass
+
+    trainer = object.__new__(SFTTrainer)
+    trainer.callback_handler = CallbackHandler([], SFTConfig(), TrainerState())
+    trainer.add_callback(QuietPrinter)
+    assert isinstance(trainer.pop_callback(PrinterCallback), QuietPrinter)
+    assert trainer.callback_handler.callbacks == []
+
+
 def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(tmp_path, tiny_model_dir):
     """steps_per_generation=4 with gradient_accumulation_steps=2: each reinforge step generates once and makes two
     optimizer steps, which TRL counts one by one (global_step, on_step_end, max_steps, the reward's trainer_state)."""

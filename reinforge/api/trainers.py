@@ -156,10 +156,10 @@ class _Trainer:
         self.callback_handler.callbacks.extend(callback_objects([callback]))
 
     def pop_callback(self, callback: Any) -> Any:
-        """TRL's: the callback (an instance, or the first of a class) taken out of those the run calls and
-        returned; None where there is none."""
+        """TRL's: the callback (an instance, or the first instance of a class or of its subclasses, as transformers
+        finds it) taken out of those the run calls and returned; None where there is none."""
         for made in self.callback_handler.callbacks:
-            if made is callback or (isinstance(callback, type) and type(made) is callback):
+            if made is callback or (isinstance(callback, type) and isinstance(made, callback)):
                 self.callback_handler.callbacks.remove(made)
                 return made
         return None
