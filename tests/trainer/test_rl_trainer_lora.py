@@ -37,13 +37,14 @@ def test_reward_rises_with_lora(arithmetic_data_dir, tmp_path):
     reward_file = tmp_path / "seven.py"
     reward_file.write_text(CONTAINS_SEVEN)
     run_dir = tmp_path / "run"
+    # on a 2-core CPU the mean reward went from near 0 to 0.97 at step 11 and 1.0 from step 13: 20 steps leave room
     args = base_args(model_dir, arithmetic_data_dir, run_dir, **LORA, **{
-        "trainer.total_steps": 30, "rollout.n": 8, "reward.num_workers": 0,
+        "trainer.total_steps": 20, "rollout.n": 8, "reward.num_workers": 0,
         "reward.custom_function": f"{reward_file}:compute_score"})
     assert main(["train", *args]) == 0
     rows = read_metrics(run_dir)
     scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row]
-    assert len(scores) == 30
+    assert len(scores) == 20
     start, end = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert start < 0.25
     assert end > 0.6, scores
