@@ -204,7 +204,7 @@ def test_clients_of_one_url_share_one_limit_on_requests_in_flight():
 
 @pytest.mark.slow
 def test_an_overloaded_server_runs_every_program_through_the_client(start_server):
-    """2 slots and 2 queue places for 20 programs at once: the server refuses most with 503 and Retry-After
+    """2 slots and 2 queue places for 10 programs at once: the server refuses most with 503 and Retry-After
     at first, and every one runs in the end."""
     server = start_server(max_concurrent=2, max_queued=2)
     outputs: dict[int, object] = {}
@@ -212,10 +212,10 @@ def test_an_overloaded_server_runs_every_program_through_the_client(start_server
     def run(index: int) -> None:
         outputs[index] = SandboxClient(server.url).run_code(f"import time; time.sleep(0.2); print({index})")
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(20)]
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(10)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
     assert {index: getattr(response.run_result, "stdout", response.message) for index, response in outputs.items()} \
-        == {index: f"{index}\n" for index in range(20)}
+        == {index: f"{index}\n" for index in range(10)}
