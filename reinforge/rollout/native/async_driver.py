@@ -56,8 +56,6 @@ class AsyncDriver:
         self._abort = abort
         self._task: asyncio.Task | None = None
         self._stepping = threading.Lock()
-        self.pausing_collector = False
-        """Whether this driver holds the garbage collector's pause (``collector.pause``)."""
 
     async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token`` (a
@@ -86,13 +84,9 @@ class AsyncDriver:
 
     async def _drive(self) -> None:
         """Step in a worker thread while anything is pending (a request submitted as the thread stops is seen by
-        the check here, which runs on the event loop, as ``generate`` does). Python's garbage collector is paused
-        meanwhile, as in ``NativeEngine.generate``."""
+        the check here, which runs on the event loop, as ``generate`` does)."""
         finish_metrics = self._measure()
         stop = threading.Event()
-        if not self.pausing_collector:  # else a driver of a stopped loop took the pause and never ended
-            collector.pause()
-            self.pausing_collector = True
         try:
             while self._has_work():
                 await asyncio.to_thread(self._run_steps, stop)
@@ -101,14 +95,13 @@ class AsyncDriver:
             raise
         finally:  # also when the event loop cancels this task on its way out: the thread stops after its step
             stop.set()
-            if self.pausing_collector:
-                self.pausing_collector = False
-                collector.resume()
             finish_metrics()
 
     def _run_steps(self, stop: threading.Event) -> None:
-        """Step until nothing is left to run or ``stop`` is set; never beside another driver's thread."""
-        with self._stepping:
+        """Step until nothing is left to run or ``stop`` is set; never beside another driver's thread. Python's
+        garbage collector is paused meanwhile, as in ``NativeEngine.generate``: by the thread, which always ends (a
+        task of a loop that stopped never does)."""
+        with self._stepping, collector.paused():
             while not stop.is_set() and self._step():
                 pass
 

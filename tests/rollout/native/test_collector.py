@@ -1,5 +1,6 @@
 import gc
 import threading
+import time
 
 import pytest
 
@@ -8,9 +9,13 @@ from reinforge.rollout.native import collector
 
 @pytest.fixture
 def collector_on():
-    """The collector on and no pause held, whatever an earlier test left; as found afterwards."""
+    """The collector on and no pause held; as found afterwards. An engine an earlier test served through may still be
+    ending its last step on its thread, holding the pause for a moment: waited for."""
+    deadline = time.monotonic() + 30
+    while collector.holders() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert collector.holders() == 0, "a pause an earlier test took is still held"
     was_enabled = gc.isenabled()
-    assert collector.holders() == 0
     gc.enable()
     yield
     (gc.enable if was_enabled else gc.disable)()
