@@ -143,12 +143,13 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
         raise ValueError(f"{method_name} is DP_COMPUTE and its members' results do not gather (batch k below is "
                          f"rank k's): {error}") from error
     merged.meta.pop(PADDING_ROWS, None)
-    summed = {name for chunk in chunks for name in chunk.meta.get(SUMMED_METRICS, ())}
-    weights = {name: [_rows_of_mean(chunk.meta.get(ROW_MEANS, ()), name, rows)
-                      for chunk, rows in zip(chunks, counted, strict=True)]
-               for chunk in chunks for name in chunk.meta.get(ROW_MEANS, ())}
-    for key, value in chunks[0].meta.items():
-        values = [chunk.meta.get(key) for chunk in chunks]
+    # the metrics of a share of padding alone describe no row (its times and its minima would pull the others')
+    metered = [(chunk, rows) for chunk, rows in zip(chunks, counted, strict=True) if rows] or [(chunks[0], 0)]
+    summed = {name for chunk, _ in metered for name in chunk.meta.get(SUMMED_METRICS, ())}
+    weights = {name: [_rows_of_mean(chunk.meta.get(ROW_MEANS, ()), name, rows) for chunk, rows in metered]
+               for chunk, _ in metered for name in chunk.meta.get(ROW_MEANS, ())}
+    for key, value in metered[0][0].meta.items():
+        values = [chunk.meta.get(key) for chunk, _ in metered]
         if key in (EMPTY_VALUES, LEFT_PADDED, ROW_MEANS):  # columns and names, not metrics (Batch.concat merged the
             continue  # columns of every chunk)
         if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):

@@ -37,6 +37,16 @@ def test_dp_gather_leaves_out_a_share_of_padding_alone_whatever_its_columns():
     merged = collect_results(DP, plan, "f", results)
     assert merged["y"].tolist() == [0, 10, 20, 30, 40] and merged["acc"].tolist() == [True] * 5
 
+
+def test_the_metrics_of_a_share_of_padding_alone_are_left_out():
+    """Its generation time, near 0, pulled the members' mean time down, and its minimum the minimum."""
+    plan = plan_member_calls(DP, "generate", 4, (Batch.from_dict({"x": torch.arange(5)}),), {})
+    members = [Batch.from_dict({"y": torch.arange(2)}) for _ in range(4)]
+    for seconds, member in zip((2.0, 4.0, 3.0, 0.01), members, strict=True):
+        member.meta["rollout_metrics"] = {"timing_s/gen": seconds, "response_length/min": seconds}
+    merged = collect_results(DP, plan, "generate", members).meta["rollout_metrics"]
+    assert merged == {"timing_s/gen": 3.0, "response_length/min": 2.0}
+
 def test_dp_gather_of_shares_whose_columns_differ_fills_an_optional_one_and_names_any_other():
     """Member 1's rows have a column member 0's lack: one named in meta empty_values gets the empty value on member
     0's rows; one not named stops the gather with a line naming the method, the column and the member."""
