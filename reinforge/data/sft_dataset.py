@@ -422,15 +422,25 @@ class SFTDataset:
         return len(self.examples)
 
 
+def images_tokens(processor: Any, images: Sequence[Any]) -> list[int]:
+    """Each image's tokens: the image processor's own count of its merged patches, from the image's size where it
+    counts them so (Qwen2-VL's), else from its output (every pixel processed, which the loader does again for the
+    batch)."""
+    image_processor = processor.image_processor
+    merge = image_processor.merge_size
+    if hasattr(image_processor, "get_number_of_image_patches"):
+        return [image_processor.get_number_of_image_patches(image.height, image.width, {}) // (merge * merge)
+                for image in images]
+    return (image_inputs(processor, images)["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
+
+
 def expand_image_tokens(example: SFTExample, processor: Any, images: Sequence[Any], sources: tuple) -> SFTExample:
     """The conversation with each image's pad token repeated once per merged patch of the image, as the processor
     expands it (those tokens are not trained)."""
     pad_id = processor.image_token_id
     check_image_places(example.input_ids.count(pad_id), len(images),
                        getattr(processor, "image_token", None) or "<|image_pad|>")
-    grids = image_inputs(processor, images)["image_grid_thw"]
-    merge = processor.image_processor.merge_size
-    counts = iter((grids.prod(-1) // (merge * merge)).tolist())
+    counts = iter(images_tokens(processor, images))
     input_ids, loss_mask = [], []
     for token, trained in zip(example.input_ids, example.loss_mask, strict=True):
         repeat = next(counts) if token == pad_id else 1

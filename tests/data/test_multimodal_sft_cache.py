@@ -73,3 +73,26 @@ def test_rows_past_the_byte_budget_are_processed_at_every_use(tmp_path):
     assert len(calls) == 6 and not any(loader.images.entries.values())
     for batch, expected in zip(again, first, strict=True):
         assert_same_images(batch, expected)
+
+
+def test_a_rows_image_tokens_are_counted_from_its_size_as_the_processor_makes_them():
+    """Loading processed every image's pixels only to count its tokens (and the loader processed them again); the
+    count from the image's size is the processor's own, pixel bounds and odd sides included."""
+    from types import SimpleNamespace
+
+    from reinforge.data.multimodal import image_inputs
+    from reinforge.data.sft_dataset import images_tokens
+
+    images = [Image.new("RGB", size) for size in [(1, 1), (7, 300), (300, 7), (33, 65), (16, 16), (640, 480),
+                                                  (2000, 30)]]
+    for arch in ("qwen2_5_vl", "qwen3_vl"):
+        processor = build_tiny_processor(arch)
+        merge = processor.image_processor.merge_size
+        expected = (image_inputs(processor, images)["image_grid_thw"].prod(-1) // merge**2).tolist()
+        assert images_tokens(processor, images) == expected, arch
+
+        def processes(processor=processor, **kwargs):  # an image processor that cannot count from a size
+            return processor.image_processor(**kwargs)
+
+        processes.merge_size = merge
+        assert images_tokens(SimpleNamespace(image_processor=processes), images) == expected, arch
