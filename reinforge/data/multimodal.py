@@ -385,15 +385,32 @@ def check_image_places(num_places: int, num_images: int, token: str) -> None:
                      "data.chat_template must render {'type': 'image'} content parts)")
 
 
-def process_text_and_images(processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, Tensor]]:
-    """The processor's token ids for ``text`` (its image pad tokens expanded) and the images' inputs."""
+def text_and_images_ids(processor: Any, text: str, images: Sequence[Any]) -> list[int]:
+    """The processor's token ids for ``text``, each image pad token repeated once per merged patch of its image. The
+    counts come from the images' sizes where the image processor counts them so (Qwen2-VL's): its pixels are
+    processed when a batch holds them, not here too."""
     if not images:
-        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), {}
+        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
     token = getattr(processor, "image_token", None) or "<|image_pad|>"
     check_image_places(text.count(token), len(images), token)
-    outputs = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
-    return outputs["input_ids"][0].tolist(), {"pixel_values": outputs["pixel_values"],
-                                              "image_grid_thw": outputs["image_grid_thw"]}
+    if not hasattr(processor.image_processor, "get_number_of_image_patches"):
+        outputs = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
+        return outputs["input_ids"][0].tolist()
+    first, *rest = text.split(token)
+    expanded = first + "".join(token * count + part for count, part in zip(images_tokens(processor, images), rest,
+                                                                            strict=True))
+    return list(processor.tokenizer(expanded, add_special_tokens=False)["input_ids"])
+
+
+def images_tokens(processor: Any, images: Sequence[Any]) -> list[int]:
+    """Each image's tokens: the image processor's own count of its merged patches, from the image's size where it
+    counts them so (Qwen2-VL's), else from its output (every pixel processed)."""
+    image_processor = processor.image_processor
+    merge = image_processor.merge_size
+    if hasattr(image_processor, "get_number_of_image_patches"):
+        return [image_processor.get_number_of_image_patches(image.height, image.width, {}) // (merge * merge)
+                for image in images]
+    return (image_inputs(processor, images)["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
 
 
 def image_marker(processor: Any) -> str:
@@ -406,9 +423,10 @@ def image_marker(processor: Any) -> str:
 
 def encode_multimodal_prompt(processor: Any, prompt: list[dict[str, Any]] | str, images: Sequence[Any],
                              chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                             templated: bool = True) -> tuple[list[int], dict[str, Tensor]]:
-    """A prompt with images: (its token ids, from the processor, and its image inputs). A string prompt that is not
-    templated is the model's input as it is, its ``<image>`` placeholders made the model's image markers."""
+                             templated: bool = True) -> list[int]:
+    """A prompt with images: its token ids, as the processor makes them (``text_and_images_ids``). A string prompt
+    that is not templated is the model's input as it is, its ``<image>`` placeholders made the model's image
+    markers."""
     if templated:
         text = render_with_images(processor, prompt, len(images), chat_template, tools)
     elif isinstance(prompt, str):
@@ -416,7 +434,7 @@ def encode_multimodal_prompt(processor: Any, prompt: list[dict[str, Any]] | str,
     else:
         raise ValueError("a chat-message prompt needs a chat template, but data.apply_chat_template is false; "
                          "set it to true or store prompts as strings")
-    return process_text_and_images(processor, text, images)
+    return text_and_images_ids(processor, text, images)
 
 
 def image_inputs(processor: Any, images: Sequence[Any]) -> dict[str, Tensor]:

@@ -280,8 +280,7 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
         templated = not isinstance(prompt, str) or tools is not None
     try:
         if processor is not None and (templated or images):  # the processor's ids, with each image's vision tokens
-            prompt_ids, _ = encode_multimodal_prompt(processor, prompt, images, config.chat_template, tools,
-                                                     templated)
+            prompt_ids = encode_multimodal_prompt(processor, prompt, images, config.chat_template, tools, templated)
         else:
             prompt_ids = encode_prompt(tokenizer, prompt, templated, config.chat_template, tools)
     except ValueError as error:

@@ -81,6 +81,7 @@ from reinforge.data.multimodal import (
     check_image_places,
     image_inputs,
     images_refused,
+    images_tokens,
     load_image,
     load_images,
     row_images,
@@ -420,18 +421,6 @@ class SFTDataset:
 
     def __len__(self) -> int:
         return len(self.examples)
-
-
-def images_tokens(processor: Any, images: Sequence[Any]) -> list[int]:
-    """Each image's tokens: the image processor's own count of its merged patches, from the image's size where it
-    counts them so (Qwen2-VL's), else from its output (every pixel processed, which the loader does again for the
-    batch)."""
-    image_processor = processor.image_processor
-    merge = image_processor.merge_size
-    if hasattr(image_processor, "get_number_of_image_patches"):
-        return [image_processor.get_number_of_image_patches(image.height, image.width, {}) // (merge * merge)
-                for image in images]
-    return (image_inputs(processor, images)["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
 
 
 def expand_image_tokens(example: SFTExample, processor: Any, images: Sequence[Any], sources: tuple) -> SFTExample:

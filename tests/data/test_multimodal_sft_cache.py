@@ -80,8 +80,7 @@ def test_a_rows_image_tokens_are_counted_from_its_size_as_the_processor_makes_th
     count from the image's size is the processor's own, pixel bounds and odd sides included."""
     from types import SimpleNamespace
 
-    from reinforge.data.multimodal import image_inputs
-    from reinforge.data.sft_dataset import images_tokens
+    from reinforge.data.multimodal import image_inputs, image_marker, images_tokens, text_and_images_ids
 
     images = [Image.new("RGB", size) for size in [(1, 1), (7, 300), (300, 7), (33, 65), (16, 16), (640, 480),
                                                   (2000, 30)]]
@@ -96,3 +95,8 @@ def test_a_rows_image_tokens_are_counted_from_its_size_as_the_processor_makes_th
 
         processes.merge_size = merge
         assert images_tokens(SimpleNamespace(image_processor=processes), images) == expected, arch
+        # a prompt's ids (RL data) as the processor makes them from the pixels
+        text = f"a {image_marker(processor)} b {image_marker(processor)}{image_marker(processor)} c"
+        for shown in (images[1:4], images[4:]):
+            made = processor(text=[text], images=shown, return_tensors="pt", add_special_tokens=False)
+            assert text_and_images_ids(processor, text, shown) == made["input_ids"][0].tolist(), arch
