@@ -65,8 +65,10 @@ def _kv_cache_dtype(config: Config) -> None:
     that value; bf16 on a model run in another dtype is refused (the cache is the model's dtype or fp8)."""
     value = config.rollout.kv_cache_dtype
     if isinstance(value, str) and value.lower() in KV_CACHE_DTYPE_NAMES:
-        if value.lower() in ("bf16", "bfloat16") and config.model.dtype not in ("auto", "bfloat16"):
-            raise ConfigError(f"rollout.kv_cache_dtype={value} with model.dtype={config.model.dtype}: the native engine "
+        float32_auto = config.model.dtype == "auto" and config.trainer.device == "cpu"  # auto: float32 on a CPU
+        if value.lower() in ("bf16", "bfloat16") and (config.model.dtype not in ("auto", "bfloat16") or float32_auto):
+            raise ConfigError(f"rollout.kv_cache_dtype={value} with model.dtype={config.model.dtype}"
+                              f"{' on trainer.device=cpu (float32)' if float32_auto else ''}: the native engine "
                               "keeps the KV cache in the model's dtype (auto) or in fp8; set rollout.kv_cache_dtype="
                               "auto, or model.dtype=bfloat16 for a bfloat16 cache")
         config.rollout.kv_cache_dtype = KV_CACHE_DTYPE_NAMES[value.lower()]

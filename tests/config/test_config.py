@@ -616,5 +616,9 @@ def test_a_bf16_kv_cache_for_a_model_run_in_another_dtype_or_an_unknown_cache_ty
     with pytest.raises(ConfigError, match=r"rollout.kv_cache_dtype=bf16 with model.dtype=float32: .* set "
                                           r"rollout.kv_cache_dtype=auto, or model.dtype=bfloat16"):
         load_config(None, ["rollout.kv_cache_dtype=bf16", "model.dtype=float32"])
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_dtype=bf16 with model.dtype=auto on trainer.device=cpu "
+                                          r"\(float32\): "):
+        load_config(None, ["rollout.kv_cache_dtype=bf16", "trainer.device=cpu"])
+    assert load_config(None, ["rollout.kv_cache_dtype=bf16", "trainer.device=cpu", "model.dtype=bfloat16"])
     with pytest.raises(ConfigError, match=r"rollout.kv_cache_dtype='int8' is not one of auto, fp8, bf16"):
         load_config(None, ["rollout.kv_cache_dtype=int8"])
