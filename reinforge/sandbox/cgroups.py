@@ -9,6 +9,12 @@ controllers) each slot gets a group under the server's own: ``memory_limit_MB`` 
 group's limit (swap included) and ``max_processes`` its ``pids.max``; the program joins it
 before ``bwrap`` starts, so everything it forks is inside. Without cgroups the rlimits alone
 apply, and the server logs a warning that says so.
+
+Where the ``cpu`` controller is there too (v1's ``cpu`` hierarchy, or v2's), each slot is also a
+group of its own for CPU time, of equal weight: the scheduler shares the CPUs between slots,
+not between processes, so a program that forks 60 busy children (each ``setsid``, an autogroup
+of its own) no longer slowed another slot's program thirteenfold; alone, a slot may still use
+every CPU. Without it the slots simply share the CPUs process by process.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def _own_path(controller: str) -> str | None:
     """This process's cgroup path for ``controller`` ('' for cgroup v2's unified line)."""
     for line in PROC_SELF_CGROUP.read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
+        if controller in controllers.split(","):  # '' matches v2's line alone; 'cpu' also a 'cpu,cpuacct' one
             return path
     return None
 
@@ -65,6 +71,20 @@ def _hierarchies() -> list[_Hierarchy] | None:
         own = _under(CGROUP_ROOT, _own_path(""))
         return [_Hierarchy(own, ("memory.max", "memory.swap.max"), "memory.events"),
                 _Hierarchy(own, ("pids.max",), "")]
+    return None
+
+
+def _cpu_folder(hierarchies: list[_Hierarchy]) -> Path | None:
+    """The server's group in a hierarchy with the cpu controller (v1's own, or v2's), None where there is none."""
+    memory = hierarchies[0].folder
+    if memory == hierarchies[1].folder:  # v2: one hierarchy; cpu must have been given to the server's group
+        with contextlib.suppress(OSError):
+            if "cpu" in (memory / "cgroup.controllers").read_text().split():
+                return memory
+        return None
+    v1_cpu = CGROUP_ROOT / "cpu"
+    if (v1_cpu / "cpu.shares").exists():
+        return _under(v1_cpu, _own_path("cpu"))
     return None
 
 
@@ -103,19 +123,20 @@ def _oom_kills(folder: Path, events_file: str) -> int:
 class SlotCgroups:
     """``slot-N`` groups under ``reinforge-sandbox-<pid>-<n>`` in the server's own cgroup(s)."""
 
-    def __init__(self, hierarchies: list[_Hierarchy], num_slots: int) -> None:
+    def __init__(self, hierarchies: list[_Hierarchy], num_slots: int, cpu: Path | None = None) -> None:
+        """``cpu``: the server's group in a hierarchy with the cpu controller, for slots of equal CPU weight."""
         self._memory, self._pids = hierarchies
         self.v2 = self._memory.folder == self._pids.folder
-        _remove_stale(list(dict.fromkeys(hierarchy.folder for hierarchy in hierarchies)))
+        folders = [hierarchy.folder for hierarchy in hierarchies] + ([cpu] if cpu is not None else [])
+        _remove_stale(list(dict.fromkeys(folders)))
         name = f"reinforge-sandbox-{os.getpid()}-{next(_SERVERS)}"
-        self._tops = list(dict.fromkeys(hierarchy.folder / name for hierarchy in hierarchies))
+        self._tops = list(dict.fromkeys(folder / name for folder in folders))
         self._slots = [[top / f"slot-{slot}" for top in self._tops] for slot in range(num_slots)]
         try:
             for top in self._tops:
                 top.mkdir(exist_ok=True)
                 if self.v2:  # v2: controllers are handed down explicitly; the top group holds no process itself
-                    _write(self._memory.folder / "cgroup.subtree_control", "+memory +pids")
-                    _write(top / "cgroup.subtree_control", "+memory +pids")
+                    self._hand_down(top, cpu is not None)
             for folders in self._slots:
                 for folder in folders:
                     folder.mkdir(exist_ok=True)
@@ -123,6 +144,17 @@ class SlotCgroups:
             _remove_groups([folder for folders in self._slots for folder in folders] + self._tops, wait_s=0.0)
             raise
         self._oom_before = [0] * num_slots
+
+    def _hand_down(self, top: Path, cpu: bool) -> None:
+        """v2: enable memory and pids (and cpu where it may be had) for the groups below the server's and ``top``."""
+        for folder in (self._memory.folder, top):
+            try:
+                _write(folder / "cgroup.subtree_control", "+memory +pids +cpu" if cpu else "+memory +pids")
+            except OSError:
+                if not cpu:
+                    raise
+                cpu = False  # e.g. a real-time thread in the tree: the slots share the CPUs without weights
+                _write(folder / "cgroup.subtree_control", "+memory +pids")
 
     @classmethod
     def create(cls, num_slots: int) -> tuple[SlotCgroups | None, str]:
@@ -139,7 +171,7 @@ class SlotCgroups:
         except OSError as error:
             return None, f"cannot read the cgroup hierarchies: {error}"
         try:
-            return cls(hierarchies, num_slots), ""
+            return cls(hierarchies, num_slots, _cpu_folder(hierarchies)), ""
         except OSError as error:  # e.g. cgroup v2 refusing controllers below a group that holds processes
             return None, f"cannot create cgroups: {error}"
 

@@ -297,3 +297,40 @@ print("FOUND" if found else "NOTHING", found)
     writer.join()
     assert finished["reader"] < finished["writer"], "the two sandboxes did not run at the same time"
     assert reader.run_result.stdout.startswith("NOTHING"), reader.run_result.stdout
+
+
+def test_busy_children_do_not_starve_another_slot(sandbox_server, client):
+    """50 busy processes, each a session (and so a scheduler autogroup) of its own, in one slot: a program in the other
+    slot still gets its share of the CPUs, not a 51st of them."""
+    if sandbox_server.cgroups is None:
+        pytest.skip("the server cannot create cgroups here (not root, or no memory and pids controllers)")
+    victim = """
+import time
+wall, cpu = time.monotonic(), time.process_time()
+while time.monotonic() - wall < {window}:
+    pass
+print((time.process_time() - cpu) / (time.monotonic() - wall))
+"""
+    hog = """
+import os
+start, go = os.pipe()
+for _ in range(50):  # all forked before any spins: a spinning child would slow the forks themselves
+    if os.fork() == 0:
+        os.setsid()
+        os.close(go)
+        os.read(start, 1)
+        while True:
+            pass
+os.close(go)
+while True:
+    pass
+"""
+    alone = float(client.run_code(victim.format(window=0.3), run_timeout=5).run_result.stdout)
+    # long enough for the victim's start as well, which a starved slot's python took about a second for
+    hogging = threading.Thread(target=client.run_code, args=(hog,), kwargs={"run_timeout": 2.4})
+    hogging.start()
+    time.sleep(0.5)
+    contended = float(client.run_code(victim.format(window=0.4), run_timeout=5).run_result.stdout)
+    hogging.join()
+    assert contended > 0.2 * alone, f"CPU share {contended:.2f} beside a hog, {alone:.2f} alone"
+    _no_processes_left(sandbox_server)
