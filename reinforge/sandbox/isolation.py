@@ -4,7 +4,7 @@ A program runs as ``bwrap`` builds it: new user, PID, network, IPC, UTS and cgro
 namespaces (the network one holds only a loopback of its own), a root that is an empty tmpfs
 holding read-only binds of /usr and the loader's folders and then remounted read-only, a
 private size-limited tmpfs at /tmp as its working folder, /proc of its own PID namespace, a
-minimal /dev, no further user namespaces, its own session, and death with its parent. The program is
+minimal /dev without terminals, no further user namespaces, its own session, and death with its parent. The program is
 the PID namespace's init itself (``--as-pid-1``): bwrap's own init would exit without being
 reaped by bwrap, leaving a zombie on the host's PID 1 after every run (forever, where that is
 this server in a container). That init is a shell that runs the program as its child and exits
@@ -56,6 +56,10 @@ INIT = ("/bin/sh", "-c", '"$@"; exit $?', "sandbox-init")
 SHM_MB = 64
 """Size of /dev/shm (multiprocessing's locks live there); the rest of /dev is read-only."""
 WORK_FOLDER = "/tmp"
+NO_PTYS = ("--size", "4096", "--perms", "0555", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts")
+"""An empty read-only /dev/pts over bwrap's devpts (/dev/ptmx links into it): every devpts but the host's own shares
+one pool of ``kernel.pty.max`` - ``kernel.pty.reserve`` terminals (3072 by default), and one program holding 64 x
+1024 of them left none to other sandboxes, or to the host's containers, until it ended. Programs get no terminals."""
 
 
 class IsolationError(RuntimeError):
@@ -125,7 +129,7 @@ def bwrap_command(bwrap: str, settings: SandboxSettings, program: list[str], fil
     """
     arguments = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                  "--new-session", "--as-pid-1", "--json-status-fd", str(status_fd), *_mount_arguments(settings.read_only_paths),
-                 "--dev", "/dev", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                 "--dev", "/dev", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm", *NO_PTYS, "--remount-ro", "/dev",
                  "--proc", "/proc", "--size", str(settings.tmp_size_mb << 20), "--tmpfs", WORK_FOLDER,
                  "--dir", CODE_FOLDER]
     made = {WORK_FOLDER, CODE_FOLDER}

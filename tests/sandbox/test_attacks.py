@@ -334,3 +334,21 @@ while True:
     hogging.join()
     assert contended > 0.2 * alone, f"CPU share {contended:.2f} beside a hog, {alone:.2f} alone"
     _no_processes_left(sandbox_server)
+
+
+def test_terminals_cannot_be_used_up(client):
+    """Every devpts but the host's shares one pool of 3072 terminals: a program holding 64 x 1024 of them left none
+    to other sandboxes until it ended. A program gets none, and cannot make /dev/pts hold anything."""
+    code = """
+import os
+for attempt in (os.openpty, lambda: os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY),
+                lambda: os.open("/dev/pts/ptmx", os.O_RDWR | os.O_NOCTTY),
+                lambda: os.open("/dev/pts/file", os.O_WRONLY | os.O_CREAT)):
+    try:
+        attempt()
+        print("OPENED")
+    except OSError as error:
+        print("DENIED", type(error).__name__)
+"""
+    response = client.run_code(code)
+    assert response.run_result.stdout.count("DENIED") == 4, response
