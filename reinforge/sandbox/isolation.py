@@ -4,7 +4,7 @@ A program runs as ``bwrap`` builds it: new user, PID, network, IPC, UTS and cgro
 namespaces (the network one holds only a loopback of its own), a root that is an empty tmpfs
 holding read-only binds of /usr and the loader's folders and then remounted read-only, a
 private size-limited tmpfs at /tmp as its working folder, /proc of its own PID namespace, a
-minimal /dev without terminals, no further user namespaces, its own session, and death with its parent. The program is
+minimal /dev without terminals, a seccomp filter (``seccomp_filter``), no further user namespaces, its own session, and death with its parent. The program is
 the PID namespace's init itself (``--as-pid-1``): bwrap's own init would exit without being
 reaped by bwrap, leaving a zombie on the host's PID 1 after every run (forever, where that is
 this server in a container). That init is a shell that runs the program as its child and exits
@@ -27,6 +27,7 @@ import pwd
 import resource
 import shutil
 import signal
+import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,6 +61,38 @@ NO_PTYS = ("--size", "4096", "--perms", "0555", "--tmpfs", "/dev/pts", "--remoun
 """An empty read-only /dev/pts over bwrap's devpts (/dev/ptmx links into it): every devpts but the host's own shares
 one pool of ``kernel.pty.max`` - ``kernel.pty.reserve`` terminals (3072 by default), and one program holding 64 x
 1024 of them left none to other sandboxes, or to the host's containers, until it ended. Programs get no terminals."""
+
+
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 206), "aarch64": (0xC00000B7, 0)}
+"""Machine -> (the kernel's audit arch, the number of io_setup there)."""
+X32_SYSCALL_BIT = 0x40000000
+ENOSYS = 38
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """A classic-BPF seccomp program for ``bwrap --seccomp``: io_setup fails with ENOSYS, as do system calls of another
+    ABI (32-bit x86, x32) that would get round it; None on a machine not listed in ``SECCOMP_ARCHES``.
+
+    aio contexts come from one pool for the whole host (``fs.aio-max-nr``, 65536 events): a program holding them
+    made io_setup fail with EAGAIN for the host's own processes until it ended. Programs use threads for I/O instead.
+    """
+    arch = SECCOMP_ARCHES.get(machine or os.uname().machine)
+    if arch is None:
+        return None
+    audit_arch, io_setup = arch
+    load_word, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06
+    errno, allow = 0x00050000 | ENOSYS, 0x7FFF0000
+    program = [
+        (load_word, 0, 0, 4),  # seccomp_data.arch
+        (jump_eq, 1, 0, audit_arch),
+        (ret, 0, 0, errno),
+        (load_word, 0, 0, 0),  # seccomp_data.nr
+        (jump_ge, 2, 0, X32_SYSCALL_BIT),
+        (jump_eq, 1, 0, io_setup),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, errno),
+    ]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
 
 
 class IsolationError(RuntimeError):
@@ -121,8 +154,9 @@ def _mount_arguments(extra_read_only: list[str]) -> list[str]:
 
 
 def bwrap_command(bwrap: str, settings: SandboxSettings, program: list[str], file_fds: list[tuple[int, str]],
-                  status_fd: int) -> list[str]:
-    """The full argv: bwrap's options, then ``program``; each (fd, path) is copied to that sandbox path.
+                  status_fd: int, seccomp_fd: int | None = None) -> list[str]:
+    """The full argv: bwrap's options, then ``program``; each (fd, path) is copied to that sandbox path; the
+    program runs under the seccomp filter read from ``seccomp_fd`` (``seccomp_filter``) when there is one.
 
     bwrap writes JSON lines to ``status_fd``: the child's pid, then ``{"exit-code": N}`` once
     the program ends (absent when bwrap itself failed to set up the sandbox).
@@ -143,6 +177,8 @@ def bwrap_command(bwrap: str, settings: SandboxSettings, program: list[str], fil
             arguments += ["--dir", folder]
             made.add(folder)
         arguments += ["--file", str(fd), path]
+    if seccomp_fd is not None:
+        arguments += ["--seccomp", str(seccomp_fd)]
     return [*arguments, "--remount-ro", "/", "--chdir", WORK_FOLDER, *program]
 
 

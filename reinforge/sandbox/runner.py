@@ -33,6 +33,7 @@ from reinforge.sandbox.isolation import (
     default_python,
     find_bwrap,
     kill_user_processes,
+    seccomp_filter,
     slot_identity,
 )
 from reinforge.sandbox.protocol import (
@@ -245,12 +246,15 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int,
         if settings.isolation == "bubblewrap":
             file_fds = [(_memfd("code", request.code.encode()), f"{CODE_FOLDER}/{program_file}")]
             file_fds += [(_memfd("file", content), f"{WORK_FOLDER}/{path}") for path, content in files.items()]
+            seccomp = seccomp_filter()
+            seccomp_fds = [_memfd("seccomp", seccomp)] if seccomp is not None else []
             status_read, status_write = os.pipe()
             opened.append(status_read)
             argv = bwrap_command(find_bwrap(), settings, [*INIT, interpreter, f"{CODE_FOLDER}/{program_file}"],
-                                 file_fds, status_write)
+                                 file_fds, status_write, seccomp_fds[0] if seccomp_fds else None)
             outcome = _supervise(argv, settings, timeout_s=timeout_s, stdin_fd=stdin_fd,
-                                 pass_fds=(status_write, *(fd for fd, _ in file_fds)), status_fd=status_read,
+                                 pass_fds=(status_write, *seccomp_fds, *(fd for fd, _ in file_fds)),
+                                 status_fd=status_read,
                                  cwd=None, env=SANDBOX_ENV, preexec=preexec)
         else:
             # no isolation, but as root still the slot's own user id, so a kill(-1) reaches only that id;

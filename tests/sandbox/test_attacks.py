@@ -8,6 +8,7 @@ outlived its run, the server still answers. tests/conftest.py counts these tests
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import reinforge
-from reinforge.sandbox.isolation import processes_of_user
+from reinforge.sandbox.isolation import SECCOMP_ARCHES, processes_of_user, seccomp_filter
 
 REPO = Path(reinforge.__file__).resolve().parents[1]
 
@@ -352,3 +353,18 @@ for attempt in (os.openpty, lambda: os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY
 """
     response = client.run_code(code)
     assert response.run_result.stdout.count("DENIED") == 4, response
+
+
+def test_host_aio_contexts_cannot_be_used_up(client):
+    """aio contexts come from one pool for the whole host (fs.aio-max-nr): a program holding all 65536 made the host's
+    own io_setup fail until it ended. io_setup is refused inside the sandbox."""
+    if seccomp_filter() is None:
+        pytest.skip(f"no seccomp filter for {os.uname().machine}")
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+context = ctypes.c_ulong(0)
+print(libc.syscall({SECCOMP_ARCHES[os.uname().machine][1]}, 1024, ctypes.byref(context)), ctypes.get_errno())
+"""
+    response = client.run_code(code)
+    assert response.run_result.stdout == f"-1 {errno.ENOSYS}\n", response
