@@ -188,9 +188,49 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """One thread a connection, up to ``connection_limit(settings)`` at once: past it a connection is answered 503
+    and closed at once, where each (an idle one, or one sending its headers a byte at a time) held a thread, without
+    bound."""
+
     daemon_threads = True
     request_queue_size = 1024
     sandbox: SandboxServer
+    connections: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.connections.acquire(blocking=False):
+            _refuse_connection(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: none will let the connection's place go
+            self.connections.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connections.release()
+
+
+def connection_limit(settings: SandboxSettings) -> int:
+    """Connections served at once: room for every slot's request and every queued one, twice over (clients
+    waiting for an answer, health checks), and some."""
+    return 2 * (settings.num_slots + settings.max_queued) + 16
+
+
+def _refuse_connection(connection: socket.socket) -> None:
+    """A 503 with Retry-After on a connection past the limit, sent without waiting on a client that reads nothing."""
+    body = json.dumps({"detail": "too many open connections to the sandbox; retry later"}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
+    try:
+        connection.settimeout(0.1)
+        connection.sendall(head + body)
+    except OSError:
+        pass
 
 
 class SandboxServer:
@@ -221,6 +261,7 @@ class SandboxServer:
             self._release()
             raise
         self._http.sandbox = self
+        self._http.connections = threading.BoundedSemaphore(connection_limit(settings))
         self._thread: threading.Thread | None = None
 
     def _check_isolation(self) -> None:

@@ -196,6 +196,32 @@ def test_a_client_sending_a_large_body_before_reading_gets_the_refusal_not_a_res
         assert status == 429 and int(retry_after) >= 1 and b"rate limit" in body
 
 
+def test_connections_past_the_limit_are_answered_503_at_once_and_hold_no_thread(start_server):
+    """Each connection held a thread for as long as it stayed open, idle or sending its headers a byte at a time:
+    thousands of them held thousands of threads."""
+    from reinforge.sandbox.server import connection_limit
+
+    server = start_server(isolation="none", max_concurrent=1, max_queued=1)
+    limit = connection_limit(server.settings)
+    host, port = server.url.removeprefix("http://").split(":")
+    threads = threading.active_count()
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(limit + 30)]
+    try:
+        started = time.monotonic()
+        refused = _raw(server.url, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", timeout_s=5)
+        assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused, refused
+        assert time.monotonic() - started < 2
+        assert threading.active_count() - threads <= limit + 2
+    finally:
+        for connection in idle:
+            connection.close()
+    deadline = time.monotonic() + 10  # the idle connections' threads see them closed, and let their places go
+    status = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    while not (answer := _raw(server.url, status)).startswith(b"HTTP/1.1 200") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
 def test_expect_100_continue_is_answered_by_the_refusal_or_once_the_request_is_admitted(start_server):
     """"100 Continue" went out before the rate limit was looked at, so the client sent its body to be refused."""
     server = start_server(isolation="none", rate_per_s=0.01, burst=1)
