@@ -18,7 +18,7 @@ micro-batches and ranks (multiply by the world size before an all-reduce that av
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -55,6 +55,16 @@ class LossNormalizer:
             num_sequences=float(valid_mask.any(dim=-1).sum().item()),
             max_response_length=int(response_mask.shape[-1]),
         )
+
+    @classmethod
+    def of_counts(cls, counts: object, loss_scale_factor: float | None = None) -> LossNormalizer:
+        """The normaliser of a mini-batch's counts (an object with this class's fields, as the engine's
+        ``MiniBatchCounts``); ``loss_scale_factor``, where given, is seq-mean-token-sum-norm's constant in place of
+        the response length."""
+        normalizer = cls(**vars(counts))
+        if loss_scale_factor is not None:
+            normalizer = replace(normalizer, max_response_length=loss_scale_factor)
+        return normalizer
 
 
 def aggregate_loss(loss_matrix: Tensor, mask: Tensor, mode: str, normalizer: LossNormalizer | None = None) -> Tensor:

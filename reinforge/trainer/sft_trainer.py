@@ -239,7 +239,7 @@ class SFTTrainer(SupervisedRun):
             with (autocast_context(self.device, self.config.model.dtype),
                   recorder.recording_forward() if recorder else contextlib.nullcontext()):
                 log_probs, token_weights = forward_log_probs(self.model, micro)
-            nll_loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer(**vars(counts)))
+            nll_loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer.of_counts(counts))
             loss, step_metrics = nll_loss, {"nll_loss": nll_loss}
             router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
                                     token_weights=token_weights) if recorder else None)

@@ -9,8 +9,6 @@ mini-batch's loss whatever the split.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import Tensor
 
 from reinforge.algorithms import (
@@ -55,9 +53,7 @@ def actor_loss(config: Config, micro: Batch, counts: MiniBatchCounts, log_probs:
     is ``moe/aux_loss`` and joins the loss times ``router_aux_loss_coef``.
     """
     actor, correction = config.actor, config.algorithm.rollout_correction
-    normalizer = LossNormalizer(**vars(counts))
-    if actor.loss_scale_factor is not None:  # seq-mean-token-sum-norm's constant, in place of the response length
-        normalizer = replace(normalizer, max_response_length=actor.loss_scale_factor)
+    normalizer = LossNormalizer.of_counts(counts, actor.loss_scale_factor)
     mask = micro["response_mask"]
     old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
     weights = micro.get("rollout_is_weights")

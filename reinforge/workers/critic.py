@@ -7,7 +7,6 @@ are the two root units, since the packed forward calls them one after the other.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -80,11 +79,8 @@ class CriticWorker(Worker):
         for micro, counts in update.micro_batches(batch):
             values = response_values(self.model, micro)
             mask = micro["response_mask"]
-            normalizer = LossNormalizer(**vars(counts))
-            if scale_factor is not None:  # seq-mean-token-sum-norm's constant, in place of the response length
-                normalizer = replace(normalizer, max_response_length=scale_factor)
             loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], mask, critic.cliprange_value,
-                                                critic.loss_agg_mode, normalizer)
+                                                critic.loss_agg_mode, LossNormalizer.of_counts(counts, scale_factor))
             vpred_mean = (values.detach() * mask).sum() / mask.sum().clamp(min=1)
             update.backward(loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean})
         return update.metrics("critic")
