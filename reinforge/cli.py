@@ -267,8 +267,9 @@ def _image_tokens_of(config, image_size: str) -> int:
     """The image tokens of one ``image_size`` image for the run's vision-language model (``config.model.path``), as
     its processor makes them: its preprocessor_config.json within the run's data.min_pixels and data.max_pixels."""
     from reinforge.config import ConfigError
+    from reinforge.data.multimodal import image_tokens_of_size
     from reinforge.engine.memory_plan import ModelShape
-    from reinforge.models.vision import folder_image_processor, image_tokens, set_pixel_bounds
+    from reinforge.models.vision import folder_image_processor, set_pixel_bounds
 
     path = config.model.path
     tower = ModelShape.from_model_path(path).vision if path else None
@@ -279,7 +280,7 @@ def _image_tokens_of(config, image_size: str) -> int:
     set_pixel_bounds(image_processor, config.data.min_pixels, config.data.max_pixels, path)
     width, height = _image_side(image_size)
     try:
-        return image_tokens(image_processor, width, height)
+        return image_tokens_of_size(image_processor, width, height)
     except ValueError as error:  # the processor's own refusal of the image's shape
         raise ConfigError(f"--image-size {image_size} (command line) is an image the processor of {path} refuses "
                           f"({error}); give sides closer to each other") from None

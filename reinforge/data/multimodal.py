@@ -404,13 +404,21 @@ def text_and_images_ids(processor: Any, text: str, images: Sequence[Any]) -> lis
 
 def images_tokens(processor: Any, images: Sequence[Any]) -> list[int]:
     """Each image's tokens: the image processor's own count of its merged patches, from the image's size where it
-    counts them so (Qwen2-VL's), else from its output (every pixel processed)."""
+    counts them so (Qwen2-VL's, ``image_tokens_of_size``), else from its output (every pixel processed)."""
     image_processor = processor.image_processor
-    merge = image_processor.merge_size
     if hasattr(image_processor, "get_number_of_image_patches"):
-        return [image_processor.get_number_of_image_patches(image.height, image.width, {}) // (merge * merge)
-                for image in images]
+        return [image_tokens_of_size(image_processor, image.width, image.height) for image in images]
+    merge = image_processor.merge_size
     return (image_inputs(processor, images)["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
+
+
+def image_tokens_of_size(image_processor: Any, width: int, height: int) -> int:
+    """The language model's tokens for one ``width`` x ``height`` image as ``image_processor`` (Qwen2-VL's, as
+    Qwen2.5-VL and Qwen3-VL use it) makes them: its own count of the image's patches once resized to whole merged
+    patches within its pixel bounds (``size``), over merge_size^2. Raises ValueError where the processor refuses
+    the image's shape (sides more than 200 times apart)."""
+    merge = image_processor.merge_size
+    return image_processor.get_number_of_image_patches(height, width, {}) // (merge * merge)
 
 
 def image_marker(processor: Any) -> str:

@@ -294,15 +294,6 @@ def folder_image_processor(path: str | Path, trust_remote_code: bool = False, pa
     return family(patch_size=patch_size, merge_size=merge_size)
 
 
-def image_tokens(image_processor, width: int, height: int) -> int:
-    """The language model's tokens for one ``width`` x ``height`` image as ``image_processor`` (Qwen2-VL's, as
-    Qwen2.5-VL and Qwen3-VL use it) makes them: its own count of the image's patches once resized to whole merged
-    patches within its pixel bounds (``size``), over merge_size^2. Raises ValueError where the processor refuses
-    the image's shape (sides more than 200 times apart)."""
-    merge = image_processor.merge_size
-    return image_processor.get_number_of_image_patches(height, width, {}) // (merge * merge)
-
-
 def set_pixel_bounds(image_processor, min_pixels: int | None, max_pixels: int | None,
                      path: str | Path = "the model") -> None:
     """Make the image processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the
