@@ -335,7 +335,6 @@ class _Trainer:
         staged.rmdir()
         return self.output_dir
 
-
     def _write_model(self, folder: Path) -> Path:
         """The run's latest checkpoint exported into ``folder`` (written over); the starting model before one."""
         from reinforge.trainer.export import export_checkpoint

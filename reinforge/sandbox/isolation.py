@@ -4,8 +4,9 @@ A program runs as ``bwrap`` builds it: new user, PID, network, IPC, UTS and cgro
 namespaces (the network one holds only a loopback of its own), a root that is an empty tmpfs
 holding read-only binds of /usr and the loader's folders and then remounted read-only, a
 private size-limited tmpfs at /tmp as its working folder, /proc of its own PID namespace, a
-minimal /dev without terminals, a seccomp filter (``seccomp_filter``), no further user namespaces, its own session, and death with its parent. The program is
-the PID namespace's init itself (``--as-pid-1``): bwrap's own init would exit without being
+minimal /dev without terminals, a seccomp filter (``seccomp_filter``), no further user
+namespaces, its own session, and death with its parent. The program is the PID namespace's
+init itself (``--as-pid-1``): bwrap's own init would exit without being
 reaped by bwrap, leaving a zombie on the host's PID 1 after every run (forever, where that is
 this server in a container). That init is a shell that runs the program as its child and exits
 with its status (128 + N for signal N): as init itself, a signal without a handler (SIGTERM to

@@ -95,9 +95,9 @@ REWARD_MODEL_KEYS = ("model_path", "input_tokenizer", "max_length", "max_tokens_
 
 CRITIC_KEYS = ("critic.model_path", "critic.optim.lr", "critic.optim.weight_decay", "critic.optim.betas",
                "critic.optim.eps", "critic.optim.warmup_steps", "critic.optim.warmup_ratio", "critic.optim.schedule",
-               "critic.optim.min_lr_ratio", "critic.cliprange_value", "critic.loss_agg_mode", "critic.loss_scale_factor", "critic.ppo_epochs",
-               "critic.max_tokens_per_micro_batch", "critic.grad_clip", "critic.warmup_steps", "critic.param_offload",
-               "critic.optimizer_offload")
+               "critic.optim.min_lr_ratio", "critic.cliprange_value", "critic.loss_agg_mode", "critic.loss_scale_factor",
+               "critic.ppo_epochs", "critic.max_tokens_per_micro_batch", "critic.grad_clip", "critic.warmup_steps",
+               "critic.param_offload", "critic.optimizer_offload")
 
 IGNORED_WHEN: list[IgnoredWhen] = [
     IgnoredWhen(("trainer.test_every", "data.val_batch_size", "data.max_val_samples", "rollout.val_kwargs.n",
